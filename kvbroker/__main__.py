@@ -1,0 +1,5 @@
+import sys
+
+from kvbroker.cli import main
+
+sys.exit(main())

@@ -1,0 +1,351 @@
+"""The Broker: the domain façade the servicers call. One per broker process, built by server.py.
+
+Local API (BrokerService): register_engine, unregister_engine, expect_transfer, transfer, watch,
+cancel, info. Peer API (PeerService): handshake, claim, complete. Lifecycle: start, drain, close.
+It owns the registry, the transfer table and the backend; it reaches peers through a PeerLink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvbroker import topology
+from kvbroker.backends.base import Backend, TransferFailed
+from kvbroker.errors import BrokerError, Code, invalid, precondition
+from kvbroker.model import ComponentKind, EngineLayout, EngineSpec, State, TransferRole
+from kvbroker.planner import build_descriptors, plan_runs
+from kvbroker.registry import Engine, Registry, check_identifier
+from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+
+log = logging.getLogger("kvbroker.transfer")
+
+
+@dataclass(frozen=True)
+class PeerSession:
+    """A handshake's result: one remote engine as this broker may write to it."""
+
+    address: str
+    broker_id: str
+    epoch: int
+    generation: int
+    engine: EngineLayout
+    peer_handle: object  # what Backend.connect returned for the peer's metadata
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    grant: Grant
+    epoch: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class TransferCommand:
+    request_id: str
+    engine_id: str
+    peer_address: str
+    remote_engine_id: str
+    components: tuple[ComponentKind, ...]
+    src_page_ids: np.ndarray
+    dst_page_ids: np.ndarray  # empty: the grant's
+
+
+class PeerLink(Protocol):
+    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession: ...
+
+    async def claim(self, session: PeerSession, request_id: str, components: Sequence[ComponentKind],
+                    dst_page_ids: np.ndarray, timeout: float) -> ClaimResult: ...
+
+    async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
+                       status: TransferStatus, timeout: float) -> State: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_pages_per_request: int
+    default_grant_expiry_s: float
+    max_grant_expiry_s: float
+    transfer_timeout_s: float
+    peer_rpc_timeout_s: float
+
+
+def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: int, *, unique: bool) -> None:
+    if ids.size == 0:
+        raise invalid(f"{field_name}: at least one page id is required")
+    if ids.size > max_pages:
+        raise BrokerError(Code.RESOURCE_EXHAUSTED,
+                          f"{field_name}: {ids.size} page ids exceed the limit of {max_pages} per request")
+    over = np.flatnonzero(ids >= num_pages)
+    if over.size:
+        i = int(over[0])
+        raise invalid(f"{field_name}[{i}]: page id {int(ids[i])} is out of range [0, {num_pages})")
+    if unique:
+        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        if uniq.size != ids.size:
+            dup = int(uniq[counts > 1][0])
+            raise invalid(f"{field_name}: page id {dup} appears more than once")
+
+
+def check_components(components: Sequence[ComponentKind], field_name: str) -> tuple[ComponentKind, ...]:
+    if not components:
+        raise invalid(f"{field_name}: at least one component is required")
+    if len(set(components)) != len(components):
+        raise invalid(f"{field_name}: a component is listed twice")
+    for kind in components:
+        topology.reject_index_with_value(kind)
+    return tuple(components)
+
+
+class Broker:
+    def __init__(self, broker_id: str, backend: Backend, limits: Limits, peers: PeerLink | None = None) -> None:
+        self.broker_id = broker_id
+        self.epoch = time.time_ns() ^ (os.getpid() << 20)
+        self.backend = backend
+        self.limits = limits
+        self.peers = peers
+        self.registry = Registry(limits.max_pages_per_request)
+        self.table = TransferTable()
+        self.accepting = True
+        self._register_lock = asyncio.Lock()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.backend.start()
+
+    def _check_accepting(self) -> None:
+        if not self.accepting:
+            raise BrokerError(Code.UNAVAILABLE, "broker is shutting down and accepts no new requests")
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new requests, let in-flight ones finish within `grace_s`, then fail the rest."""
+        self.accepting = False
+        busy = [r for r in self.table.live() if r.task is not None or r.state is State.TRANSFERRING]
+        if busy:
+            log.info("draining %d in-flight requests (grace %.1fs)", len(busy), grace_s)
+            await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in busy], timeout=grace_s)
+        for record in self.table.live():
+            await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
+
+    async def close(self) -> None:
+        for engine in self.registry:
+            await self._release(engine)
+        await self.backend.close()
+
+    # -- engines --------------------------------------------------------------------------------
+    async def register_engine(self, spec: EngineSpec) -> Engine:
+        self._check_accepting()
+        async with self._register_lock:  # build() checks overlaps against engines added before it
+            engine = self.registry.build(spec)
+            try:
+                engine.backend_handle = await self.backend.register(engine.regions)
+                self.registry.add(engine)
+            except BaseException:
+                if engine.backend_handle is not None:
+                    await self.backend.deregister(engine.backend_handle)
+                engine.release()
+                raise
+        log.info("engine registered", extra={"engine_id": spec.engine_id, "bytes": engine.registered_bytes})
+        return engine
+
+    async def unregister_engine(self, engine_id: str, wait_s: float) -> int:
+        engine = self.registry.get(engine_id)
+        live = self.table.live(engine_id)
+        writing = [r for r in live if r.state is State.TRANSFERRING]
+        if writing:  # never release memory a transfer engine is reading or writing
+            await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in writing], timeout=wait_s)
+        failed = 0
+        for record in self.table.live(engine_id):
+            failed += await self._abort(record, Code.ABORTED, f"engine {engine_id!r} was unregistered")
+        if engine_id in self.registry:
+            self.registry.remove(engine_id)
+            await self._release(engine)
+        return failed
+
+    async def _release(self, engine: Engine) -> None:
+        if engine.backend_handle is not None:
+            await self.backend.deregister(engine.backend_handle)
+            engine.backend_handle = None
+        engine.release()
+
+    # -- receiver side --------------------------------------------------------------------------
+    async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[ComponentKind],
+                              dst_page_ids: np.ndarray, expiry_ms: int) -> TransferStatus:
+        self._check_accepting()
+        check_identifier(request_id, "request_id")
+        engine = self.registry.get(engine_id)
+        kinds = check_components(components, "components")
+        for kind in kinds:
+            if kind not in engine.layout.components:
+                raise precondition(f"components: {kind.name} is not registered by engine {engine_id!r}")
+        num_pages = min(engine.layout.components[k].num_pages for k in kinds)
+        check_page_ids(dst_page_ids, "dst_page_ids", num_pages, self.limits.max_pages_per_request, unique=True)
+        expiry_s = expiry_ms / 1000 if expiry_ms else self.limits.default_grant_expiry_s
+        if expiry_s > self.limits.max_grant_expiry_s:
+            raise invalid(f"expiry_ms: {expiry_ms} exceeds the limit of {self.limits.max_grant_expiry_s * 1000:.0f}")
+        record = self.table.add_grant(engine_id, request_id, kinds, dst_page_ids, expiry_s)
+        return record.snapshot()
+
+    def handshake_view(self, engine_id: str) -> Engine:
+        self._check_accepting()
+        return self.registry.get(engine_id)
+
+    def claim(self, engine_id: str, request_id: str, components: Sequence[ComponentKind],
+              dst_page_ids: np.ndarray, claimant: str) -> tuple[Grant, int]:
+        self._check_accepting()
+        engine = self.registry.get(engine_id)
+        grant = self.table.claim(engine_id, request_id, tuple(components), dst_page_ids, claimant)
+        return grant, engine.generation
+
+    def complete(self, engine_id: str, request_id: str, claim_token: str, claimant: str, *, succeeded: bool,
+                 code: int, reason: str, pages: int, runs: int, nbytes: int, truncated: int) -> State:
+        record = self.table.get(engine_id, request_id)
+        if record.role is not TransferRole.RECEIVER:
+            raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
+        if record.state.terminal:
+            return record.state
+        if claim_token != record.claim_token:
+            if record.state is not State.PENDING or succeeded:
+                raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
+        if succeeded:
+            self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)
+        else:
+            self.table.fail(record, code or Code.ABORTED, f"sender {claimant!r} failed: {reason}")
+        self._log(record)
+        return record.state
+
+    # -- sender side ----------------------------------------------------------------------------
+    async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
+        """Validate locally, then run the request as a task the table owns; await its outcome."""
+        self._check_accepting()
+        check_identifier(cmd.request_id, "request_id")
+        check_identifier(cmd.remote_engine_id, "remote_engine_id")
+        if not cmd.peer_address:
+            raise invalid("peer_address: the peer broker's address is required")
+        engine = self.registry.get(cmd.engine_id)
+        kinds = check_components(cmd.components, "components")
+        for kind in kinds:
+            if kind not in engine.layout.components:
+                raise precondition(f"components: {kind.name} is not registered by engine {cmd.engine_id!r}")
+        num_pages = min(engine.layout.components[k].num_pages for k in kinds)
+        check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self.limits.max_pages_per_request,
+                       unique=False)
+        if cmd.dst_page_ids.size:
+            check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
+                           self.limits.max_pages_per_request, unique=True)
+        budget = self.limits.transfer_timeout_s if timeout is None else min(timeout, self.limits.transfer_timeout_s)
+        record = self.table.add_send(cmd.engine_id, cmd.request_id, kinds)
+        record.task = asyncio.create_task(self._send(record, engine, cmd, budget),
+                                          name=f"transfer {cmd.engine_id}/{cmd.request_id}")
+        await asyncio.shield(record.task)
+        status = record.snapshot()
+        if status.state is State.FAILED:
+            raise BrokerError(Code(status.code), status.reason)
+        return status
+
+    async def _send(self, record: TransferRecord, engine: Engine, cmd: TransferCommand, budget: float) -> None:
+        assert self.peers is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        left = lambda: max(0.0, deadline - loop.time())  # noqa: E731
+        token = ""
+        reached_peer = False
+        try:
+            async with asyncio.timeout(budget):
+                session = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=False,
+                                                   timeout=min(left(), self.limits.peer_rpc_timeout_s))
+                reached_peer = True
+                topology.check_transfer(engine.layout, session.engine, record.components)
+                claimed = await self.peers.claim(session, cmd.request_id, record.components, cmd.dst_page_ids,
+                                                 timeout=min(left(), self.limits.peer_rpc_timeout_s))
+                token = claimed.grant.claim_token
+                if (claimed.epoch, claimed.generation) != (session.epoch, session.generation):
+                    session = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=True,
+                                                       timeout=min(left(), self.limits.peer_rpc_timeout_s))
+                    topology.check_transfer(engine.layout, session.engine, record.components)
+                src, dst, truncated = topology.truncate_page_lists(cmd.src_page_ids, claimed.grant.dst_page_ids)
+                remote_pages = min(session.engine.components[k].num_pages for k in record.components)
+                check_page_ids(dst, "dst_page_ids", remote_pages, self.limits.max_pages_per_request, unique=True)
+                runs = plan_runs(src, dst)
+                src_buffers = [b for k in record.components for b in engine.layout.components[k].buffers]
+                dst_buffers = [b for k in record.components for b in session.engine.components[k].buffers]
+                descriptors = build_descriptors(runs, src_buffers, dst_buffers)
+                self.table.start(record)
+                write_budget = min(left(), claimed.grant.remaining_s)
+                try:
+                    await self.backend.write(session.peer_handle, descriptors, write_budget)
+                except TransferFailed as exc:
+                    raise BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}") from exc
+                except TimeoutError as exc:
+                    raise BrokerError(Code.DEADLINE_EXCEEDED, f"transfer engine {self.backend.name}: {exc}") from exc
+                record.pages, record.runs, record.bytes, record.truncated_pages = (
+                    runs.pages, runs.count, descriptors.nbytes, truncated)
+                state = await self.peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, token,
+                                                  record.snapshot(),
+                                                  timeout=min(left(), self.limits.peer_rpc_timeout_s))
+                if state is not State.SUCCEEDED:
+                    raise BrokerError(Code.ABORTED, f"receiver reports the grant as {state.name} after the write")
+                self.table.succeed(record, pages=runs.pages, runs=runs.count, nbytes=descriptors.nbytes,
+                                   truncated=truncated)
+        except TimeoutError:
+            self.table.fail(record, Code.DEADLINE_EXCEEDED, f"transfer did not complete within {budget:.3f}s")
+        except BrokerError as exc:
+            self.table.fail(record, exc.code, exc.message)
+        except asyncio.CancelledError:
+            self.table.fail(record, record.code or Code.CANCELLED, record.reason or "transfer was cancelled")
+        except Exception as exc:  # a bug must end the request, not wedge it
+            log.exception("transfer %s failed unexpectedly", cmd.request_id)
+            self.table.fail(record, Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            record.task = None
+            if record.state is State.FAILED and reached_peer:
+                await self._tell_peer_failed(cmd, token, record)
+            self._log(record, peer=cmd.peer_address)
+
+    async def _tell_peer_failed(self, cmd: TransferCommand, token: str, record: TransferRecord) -> None:
+        if record.code == Code.PERMISSION_DENIED or record.code == Code.NOT_FOUND:
+            return  # the grant refused us (or is not there): it is not ours to fail
+        try:
+            await asyncio.shield(self.peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id,
+                                                     token, record.snapshot(),
+                                                     timeout=self.limits.peer_rpc_timeout_s))
+        except (BrokerError, TimeoutError, asyncio.CancelledError) as exc:
+            log.debug("could not tell %s that %s failed: %s", cmd.peer_address, cmd.request_id, exc)
+
+    # -- both sides -----------------------------------------------------------------------------
+    def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
+        self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
+        return self.table.watch(engine_id, request_id)
+
+    async def cancel(self, engine_id: str, request_id: str, reason: str) -> TransferStatus:
+        record = self.table.get(engine_id, request_id)
+        await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
+        return record.snapshot()
+
+    async def _abort(self, record: TransferRecord, code: Code, reason: str) -> int:
+        if record.state.terminal:
+            return 0
+        task = record.task
+        if task is not None and not task.done():
+            record.code, record.reason = int(code), reason  # _send fails the record with these
+            task.cancel()
+            await asyncio.wait([task], timeout=self.limits.peer_rpc_timeout_s * 2)
+            return 1
+        return int(self.table.fail(record, code, reason))
+
+    def _log(self, record: TransferRecord, peer: str = "") -> None:
+        s = record.snapshot()
+        log.info(
+            "transfer %s", s.state.name.lower(),
+            extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
+                   "peer": peer, "components": [c.name for c in s.components], "pages": s.pages, "runs": s.runs,
+                   "bytes": s.bytes, "duration_us": s.duration_us, "outcome": s.state.name,
+                   "code": Code(s.code).name if s.code else "", "reason": s.reason},
+        )

@@ -1,0 +1,57 @@
+"""One settings object for the broker: defaults, overridden by KVBROKER_* env vars, overridden by flags.
+
+`Settings` is built once by the CLI (`settings_from_args`) and handed down; nothing reads the
+environment anywhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVBROKER_", frozen=True, extra="forbid")
+
+    listen: str = Field("unix:/run/kvbroker/kvbroker.sock",
+                        description="local API address for the inference server: host:port or unix:/path")
+    peer_listen: str = Field("0.0.0.0:50052", description="peer API address for other brokers: host:port")
+    advertise_host: str = Field("", description="host peers reach this broker by; default: the hostname")
+    broker_id: str = Field(default_factory=socket.gethostname, description="this broker's id in peer handshakes")
+    backend: Literal["nixl", "mooncake"] = Field("nixl", description="transfer engine")
+    mooncake_protocol: str = Field("tcp", description="Mooncake transport: tcp, or rdma in clusters")
+    mooncake_device: str = Field("", description="Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
+    peer_rpc_timeout_s: float = Field(5.0, gt=0, description="timeout of one broker-to-broker call, seconds")
+    transfer_timeout_s: float = Field(60.0, gt=0, description="upper bound of one Transfer, seconds")
+    default_grant_expiry_s: float = Field(30.0, gt=0, description="grant lifetime when expiry_ms is 0, seconds")
+    max_grant_expiry_s: float = Field(600.0, gt=0, description="longest grant a receiver may ask for, seconds")
+    unregister_wait_s: float = Field(10.0, ge=0, description="how long UnregisterEngine waits for writes, seconds")
+    shutdown_grace_s: float = Field(20.0, ge=0, description="time in-flight transfers get on SIGTERM, seconds")
+    max_pages_per_request: int = Field(1 << 20, gt=0, description="page ids per request and pages per buffer")
+    max_message_bytes: int = Field(64 << 20, gt=0, description="largest gRPC message accepted, bytes")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
+    log_format: Literal["text", "json"] = Field("text", description="text for terminals, json for containers")
+
+    @property
+    def peer_address(self) -> str:
+        host, _, port = self.peer_listen.rpartition(":")
+        host = self.advertise_host or (host if host not in ("0.0.0.0", "[::]", "") else socket.gethostname())
+        return f"{host}:{port}"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One --flag per setting; unset flags leave the env var or the default in force."""
+    for name, info in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = info.annotation if info.annotation in (int, float) else str
+        parser.add_argument(flag, dest=name, type=kind, default=None,
+                            help=f"{info.description} [env KVBROKER_{name.upper()}]")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    return Settings(**given)

@@ -1,0 +1,144 @@
+"""Translation between the kvbroker.v1 messages and the domain's dataclasses, for both servicers.
+
+Unknown enum values and missing fields become INVALID_ARGUMENT naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+
+from kvbroker.errors import invalid
+from kvbroker.model import (
+    BufferLayout,
+    ComponentKind,
+    ComponentLayout,
+    ComponentSpec,
+    CudaIpcRef,
+    EngineLayout,
+    EngineSpec,
+    KvDtype,
+    LayerBufferSpec,
+    Layout,
+    Role,
+    SharedMemoryRef,
+    Topology,
+)
+from kvbroker.transfers import TransferStatus
+
+E = TypeVar("E")
+
+_PREFIX = {ComponentKind: "COMPONENT_", Layout: "LAYOUT_", Role: "BUFFER_ROLE_", KvDtype: "KV_DTYPE_"}
+
+
+def enum_in(kind: type[E], value: int, field_name: str) -> E:
+    try:
+        return kind(value)
+    except ValueError:
+        raise invalid(f"{field_name}: {_PREFIX.get(kind, '')}{value} is not a known value "
+                      f"(0 is UNSPECIFIED and never valid)") from None
+
+
+def page_ids_in(values) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
+def topology_in(t: pb.Topology, field_name: str = "topology") -> Topology:
+    return Topology(t.tp_size, t.tp_rank, t.attn_tp_size, t.attn_tp_rank, t.pp_size, t.pp_rank, t.dp_rank,
+                    t.page_size, t.start_layer, t.end_layer, enum_in(KvDtype, t.kv_dtype, f"{field_name}.kv_dtype"))
+
+
+def topology_out(t: Topology) -> pb.Topology:
+    return pb.Topology(tp_size=t.tp_size, tp_rank=t.tp_rank, attn_tp_size=t.attn_tp_size,
+                       attn_tp_rank=t.attn_tp_rank, pp_size=t.pp_size, pp_rank=t.pp_rank, dp_rank=t.dp_rank,
+                       page_size=t.page_size, start_layer=t.start_layer, end_layer=t.end_layer,
+                       kv_dtype=int(t.kv_dtype))
+
+
+def _memory_in(m: pb.MemoryRef) -> SharedMemoryRef | CudaIpcRef | None:
+    which = m.WhichOneof("kind")
+    if which == "shared_memory":
+        return SharedMemoryRef(m.shared_memory.name, m.shared_memory.offset)
+    if which == "cuda_ipc":
+        c = m.cuda_ipc
+        return CudaIpcRef(c.handle, c.device, c.offset, c.allocation_size)
+    return None
+
+
+def _memory_out(m: SharedMemoryRef | CudaIpcRef | None) -> pb.MemoryRef:
+    if isinstance(m, SharedMemoryRef):
+        return pb.MemoryRef(shared_memory=pb.SharedMemoryRef(name=m.name, offset=m.offset))
+    if isinstance(m, CudaIpcRef):
+        return pb.MemoryRef(cuda_ipc=pb.CudaIpcRef(handle=m.handle, device=m.device, offset=m.offset,
+                                                   allocation_size=m.allocation_size))
+    return pb.MemoryRef()
+
+
+def engine_spec_in(req: bpb.RegisterEngineRequest) -> EngineSpec:
+    if not req.HasField("topology"):
+        raise invalid("topology: is required")
+    components = []
+    for i, c in enumerate(req.components):
+        where = f"components[{i}]"
+        buffers = tuple(
+            LayerBufferSpec(b.layer_id, enum_in(Role, b.role, f"{where}.layer_buffers[{j}].role"),
+                            _memory_in(b.memory), b.length, b.item_len)
+            for j, b in enumerate(c.layer_buffers)
+        )
+        components.append(ComponentSpec(enum_in(ComponentKind, c.component, f"{where}.component"),
+                                        enum_in(Layout, c.layout, f"{where}.layout"), c.num_pages, buffers))
+    return EngineSpec(req.engine_id, topology_in(req.topology), tuple(components))
+
+
+def component_spec_out(c: ComponentSpec) -> pb.ComponentSpec:
+    return pb.ComponentSpec(
+        component=int(c.kind), layout=int(c.layout), num_pages=c.num_pages,
+        layer_buffers=[pb.LayerBuffer(layer_id=b.layer_id, role=int(b.role), memory=_memory_out(b.memory),
+                                      length=b.length, item_len=b.item_len) for b in c.layer_buffers],
+    )
+
+
+def components_in(values, field_name: str = "components") -> tuple[ComponentKind, ...]:
+    return tuple(enum_in(ComponentKind, v, f"{field_name}[{i}]") for i, v in enumerate(values))
+
+
+def status_out(s: TransferStatus) -> bpb.TransferStatus:
+    return bpb.TransferStatus(
+        request_id=s.request_id, engine_id=s.engine_id, role=int(s.role), state=int(s.state), code=s.code,
+        reason=s.reason, pages=s.pages, runs=s.runs, bytes=s.bytes, truncated_pages=s.truncated_pages,
+        duration_us=s.duration_us, components=[int(c) for c in s.components],
+    )
+
+
+def engine_layout_out(layout: EngineLayout) -> ppb.PeerEngine:
+    return ppb.PeerEngine(
+        engine_id=layout.engine_id, topology=topology_out(layout.topology),
+        components=[
+            ppb.PeerComponent(
+                component=int(c.kind), layout=int(c.layout), num_pages=c.num_pages,
+                layer_buffers=[ppb.PeerLayerBuffer(layer_id=b.layer_id, role=int(b.role), address=b.address,
+                                                   length=b.length, item_len=b.item_len, device=b.device)
+                               for b in c.buffers],
+            )
+            for c in layout.components.values()
+        ],
+    )
+
+
+def engine_layout_in(e: ppb.PeerEngine) -> EngineLayout:
+    where = "handshake.engine"
+    components = {}
+    for i, c in enumerate(e.components):
+        kind = enum_in(ComponentKind, c.component, f"{where}.components[{i}].component")
+        buffers = tuple(sorted(
+            (BufferLayout(b.layer_id, enum_in(Role, b.role, f"{where}.components[{i}].role"), b.address, b.length,
+                          b.item_len, b.device) for b in c.layer_buffers),
+            key=lambda b: (b.layer_id, b.role),
+        ))
+        components[kind] = ComponentLayout(kind, enum_in(Layout, c.layout, f"{where}.components[{i}].layout"),
+                                           c.num_pages, buffers)
+    return EngineLayout(e.engine_id, topology_in(e.topology, f"{where}.topology"), components)

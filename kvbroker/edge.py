@@ -1,0 +1,48 @@
+"""What both servicers share at the gRPC edge: domain errors onto status codes, and back."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from kvbroker.errors import BrokerError, Code
+
+log = logging.getLogger(__name__)
+
+
+def status_code(code: Code | int) -> grpc.StatusCode:
+    number = int(code)
+    for candidate in grpc.StatusCode:
+        if candidate.value[0] == number:
+            return candidate
+    return grpc.StatusCode.UNKNOWN
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, prefix: str) -> BrokerError:
+    """A peer's status becomes ours, with the peer named; transport failures become UNAVAILABLE."""
+    code = exc.code()
+    try:
+        domain = Code(code.value[0])
+    except ValueError:
+        domain = Code.UNAVAILABLE if code is grpc.StatusCode.UNKNOWN else Code.INTERNAL
+    return BrokerError(domain, f"{prefix}: {exc.details() or code.name}")
+
+
+def translate_errors(method):
+    """Wrap a unary servicer method: BrokerError → its status; anything else → INTERNAL, logged."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except BrokerError as exc:
+            await context.abort(status_code(exc.code), exc.message)
+        except (grpc.aio.AbortError, grpc.aio.UsageError):
+            raise
+        except Exception as exc:
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    return wrapper

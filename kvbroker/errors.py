@@ -1,0 +1,44 @@
+"""The domain's failures. Each carries the status code the edge reports (numbers as google.rpc.Code)."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.IntEnum):
+    CANCELLED = 1
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+
+
+class BrokerError(Exception):
+    """A refusal or failure with the code the caller sees and a message naming the field or rule."""
+
+    def __init__(self, code: Code, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"BrokerError({self.code.name}, {self.message!r})"
+
+
+def invalid(message: str) -> BrokerError:
+    return BrokerError(Code.INVALID_ARGUMENT, message)
+
+
+def not_found(message: str) -> BrokerError:
+    return BrokerError(Code.NOT_FOUND, message)
+
+
+def precondition(message: str) -> BrokerError:
+    return BrokerError(Code.FAILED_PRECONDITION, message)

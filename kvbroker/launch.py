@@ -1,0 +1,83 @@
+"""Starting and stopping broker processes: for the demo, the benchmarks and the integration tests.
+
+`start_broker` spawns `python -m kvbroker serve` on loopback with port 0 and waits (bounded) for
+its ready line; `BrokerProcess.stop` sends SIGTERM and waits, then kills if it must.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BrokerProcess:
+    process: asyncio.subprocess.Process
+    listen: str
+    peer_listen: str
+    broker_id: str
+    _stderr_task: asyncio.Task | None = field(default=None, repr=False)
+    stderr_lines: list[str] = field(default_factory=list, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def stop(self, timeout: float = 30.0) -> int:
+        if self.process.returncode is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.process.wait(), timeout)
+            except TimeoutError:
+                self.process.kill()
+                await self.process.wait()
+        if self._stderr_task is not None:
+            await asyncio.wait([self._stderr_task], timeout=5)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+
+
+async def _drain(stream: asyncio.StreamReader, sink: list[str], echo: bool) -> None:
+    while line := await stream.readline():
+        text = line.decode(errors="replace").rstrip()
+        sink.append(text)
+        if echo:
+            print(text, file=sys.stderr)
+
+
+async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", timeout: float = 60.0,
+                       env: dict[str, str] | None = None, echo_logs: bool = False) -> BrokerProcess:
+    """Start a broker bound to `host` on free ports; extra `args` are serve flags."""
+    command = [sys.executable, "-m", "kvbroker", "serve", "--broker-id", broker_id,
+               "--listen", f"{host}:0", "--peer-listen", f"{host}:0", *args]
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"), **(env or {})},
+    )
+    lines: list[str] = []
+    stderr_task = asyncio.create_task(_drain(process.stderr, lines, echo_logs))
+    try:
+        while True:
+            line = await asyncio.wait_for(process.stdout.readline(), timeout)
+            if not line:
+                await asyncio.wait([stderr_task], timeout=5)
+                raise RuntimeError(f"broker {broker_id} exited before it was ready:\n" + "\n".join(lines[-30:]))
+            try:
+                ready = json.loads(line)
+            except ValueError:
+                continue
+            if ready.get("event") == "ready":
+                break
+    except BaseException:
+        process.kill()
+        await process.wait()
+        stderr_task.cancel()
+        raise
+    return BrokerProcess(process, ready["listen"], ready["peer_listen"], broker_id, stderr_task, lines)

@@ -1,0 +1,140 @@
+"""The vocabulary of DESIGN.md as frozen dataclasses, shared by the registry, the rules and the planner.
+
+Engines are described twice over: as the server declared them (`*Spec`, memory references) and as
+a transfer sees them (`*Layout`, resolved addresses), the latter for local engines and peers alike.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ComponentKind(enum.IntEnum):
+    MAIN_KV = 1
+    MINIMAX_INDEX_K = 2
+    MINIMAX_INDEX_KV = 3
+
+
+class Layout(enum.IntEnum):
+    FLAT = 1
+    KV_SPLIT = 2
+
+
+class Role(enum.IntEnum):
+    FLAT = 1
+    K = 2
+    V = 3
+
+
+class KvDtype(enum.IntEnum):
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT8_E4M3 = 4
+    FLOAT8_E5M2 = 5
+    INT8 = 6
+    UINT8 = 7
+
+
+class State(enum.IntEnum):
+    PENDING = 1
+    TRANSFERRING = 2
+    SUCCEEDED = 3
+    FAILED = 4
+
+    @property
+    def terminal(self) -> bool:
+        return self in (State.SUCCEEDED, State.FAILED)
+
+
+class TransferRole(enum.IntEnum):
+    SENDER = 1
+    RECEIVER = 2
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp_size: int
+    tp_rank: int
+    attn_tp_size: int
+    attn_tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_rank: int
+    page_size: int
+    start_layer: int
+    end_layer: int
+    kv_dtype: KvDtype
+
+
+@dataclass(frozen=True)
+class SharedMemoryRef:
+    name: str
+    offset: int
+
+
+@dataclass(frozen=True)
+class CudaIpcRef:
+    handle: bytes
+    device: int
+    offset: int
+    allocation_size: int
+
+
+MemoryRef = SharedMemoryRef | CudaIpcRef
+
+
+@dataclass(frozen=True)
+class LayerBufferSpec:
+    layer_id: int
+    role: Role
+    memory: MemoryRef | None
+    length: int
+    item_len: int
+
+
+@dataclass(frozen=True)
+class ComponentSpec:
+    kind: ComponentKind
+    layout: Layout
+    num_pages: int
+    layer_buffers: tuple[LayerBufferSpec, ...]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    engine_id: str
+    topology: Topology
+    components: tuple[ComponentSpec, ...]
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """One layer buffer where a transfer engine can reach it."""
+
+    layer_id: int
+    role: Role
+    address: int
+    length: int
+    item_len: int
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class ComponentLayout:
+    kind: ComponentKind
+    layout: Layout
+    num_pages: int
+    buffers: tuple[BufferLayout, ...]  # sorted by (layer_id, role)
+
+    @property
+    def buffer_keys(self) -> tuple[tuple[int, Role], ...]:
+        return tuple((b.layer_id, b.role) for b in self.buffers)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    engine_id: str
+    topology: Topology
+    components: dict[ComponentKind, ComponentLayout] = field(hash=False)

@@ -1,0 +1,180 @@
+"""Broker to broker: the PeerService servicer (the receiving side) and PeerClients (the sending side).
+
+PeerClients caches one channel per peer address and one handshake per (address, engine); a new
+epoch or registry generation seen in a claim, or a transport failure, makes the next use refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+
+from kvbroker import convert
+from kvbroker.backends.base import Backend
+from kvbroker.broker import Broker, ClaimResult, PeerSession
+from kvbroker.edge import from_rpc_error, translate_errors
+from kvbroker.errors import BrokerError, Code
+from kvbroker.model import ComponentKind, State
+from kvbroker.transfers import Grant, TransferStatus
+
+log = logging.getLogger(__name__)
+
+
+class PeerServicer(ppb_grpc.PeerServiceServicer):
+    def __init__(self, broker: Broker) -> None:
+        self._broker = broker
+
+    @translate_errors
+    async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
+        backend = self._broker.backend
+        if request.backend != backend.name:
+            raise BrokerError(Code.FAILED_PRECONDITION,
+                              f"backend: caller uses {request.backend!r}, this broker uses {backend.name!r}")
+        engine = self._broker.handshake_view(request.engine_id)
+        return ppb.HandshakeResponse(
+            broker_id=self._broker.broker_id, epoch=self._broker.epoch, generation=engine.generation,
+            backend=backend.name, backend_metadata=await backend.metadata(),
+            engine=convert.engine_layout_out(engine.layout),
+        )
+
+    @translate_errors
+    async def ClaimGrant(self, request: ppb.ClaimGrantRequest, context) -> ppb.ClaimGrantResponse:
+        grant, generation = self._broker.claim(
+            request.engine_id, request.request_id, convert.components_in(request.components),
+            convert.page_ids_in(request.dst_page_ids), claimant=request.broker_id,
+        )
+        return ppb.ClaimGrantResponse(
+            dst_page_ids=grant.dst_page_ids.tolist(), epoch=self._broker.epoch, generation=generation,
+            claim_token=grant.claim_token, remaining_ms=int(grant.remaining_s * 1000),
+        )
+
+    @translate_errors
+    async def CompleteTransfer(self, request: ppb.CompleteTransferRequest, context) -> ppb.CompleteTransferResponse:
+        state = self._broker.complete(
+            request.engine_id, request.request_id, request.claim_token, request.broker_id,
+            succeeded=request.succeeded, code=request.code, reason=request.reason, pages=request.pages,
+            runs=request.runs, nbytes=request.bytes, truncated=request.truncated_pages,
+        )
+        return ppb.CompleteTransferResponse(state=int(state))
+
+
+@dataclass
+class PeerRecord:
+    address: str
+    broker_id: str = ""
+    epoch: int = 0
+    handshakes: int = 0
+
+
+class PeerClients:
+    """The PeerLink of a Broker: handshakes, claims and completion notices over gRPC."""
+
+    def __init__(self, broker_id: str, epoch: int, backend: Backend, *,
+                 channel_options: Sequence[tuple[str, object]] = (),
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._broker_id = broker_id
+        self._epoch = epoch
+        self._backend = backend
+        self._options = list(channel_options)
+        self._credentials = credentials
+        self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub]] = {}
+        self._sessions: dict[tuple[str, str], PeerSession] = {}
+        self._pending: dict[tuple[str, str], asyncio.Future] = {}
+        self.records: dict[str, PeerRecord] = {}
+
+    def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
+        if address not in self._channels:
+            if self._credentials is not None:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+            else:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel))
+        return self._channels[address][1]
+
+    def forget(self, address: str) -> None:
+        """Drop what is cached of a peer; the next call reconnects and handshakes again."""
+        for key in [k for k in self._sessions if k[0] == address]:
+            del self._sessions[key]
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            asyncio.get_running_loop().create_task(entry[0].close()).add_done_callback(lambda t: t.exception())
+
+    async def _rpc(self, address: str, call, request, timeout: float):
+        try:
+            return await call(request, timeout=max(timeout, 0.001), wait_for_ready=False)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.forget(address)
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise BrokerError(Code.UNAVAILABLE,
+                                      f"peer broker {address}: no answer within {timeout:.3f}s") from None
+            raise from_rpc_error(exc, f"peer broker {address}") from None
+
+    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:
+        key = (address, engine_id)
+        if not refresh and key in self._sessions:
+            return self._sessions[key]
+        if key in self._pending:  # one handshake per key at a time; others wait for its result
+            return await asyncio.shield(self._pending[key])
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        try:
+            session = await self._handshake(address, engine_id, timeout)
+            future.set_result(session)
+            return session
+        except BaseException as exc:
+            future.set_exception(exc if isinstance(exc, Exception) else BrokerError(Code.CANCELLED, "cancelled"))
+            future.exception()  # retrieved: waiters re-raise it
+            raise
+        finally:
+            del self._pending[key]
+
+    async def _handshake(self, address: str, engine_id: str, timeout: float) -> PeerSession:
+        request = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
+                                       backend=self._backend.name)
+        reply = await self._rpc(address, self._stub(address).Handshake, request, timeout)
+        handle = await self._backend.connect(reply.backend_metadata)
+        session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation,
+                              convert.engine_layout_in(reply.engine), handle)
+        record = self.records.setdefault(address, PeerRecord(address))
+        if record.epoch and record.epoch != reply.epoch:
+            log.info("peer %s restarted (epoch %d -> %d)", address, record.epoch, reply.epoch)
+            for key in [k for k in self._sessions if k[0] == address]:
+                del self._sessions[key]
+        record.broker_id, record.epoch = reply.broker_id, reply.epoch
+        record.handshakes += 1
+        self._sessions[(address, engine_id)] = session
+        return session
+
+    async def claim(self, session: PeerSession, request_id: str, components: Sequence[ComponentKind],
+                    dst_page_ids: np.ndarray, timeout: float) -> ClaimResult:
+        request = ppb.ClaimGrantRequest(broker_id=self._broker_id, epoch=self._epoch,
+                                        engine_id=session.engine.engine_id, request_id=request_id,
+                                        components=[int(c) for c in components],
+                                        dst_page_ids=dst_page_ids.tolist())
+        reply = await self._rpc(session.address, self._stub(session.address).ClaimGrant, request, timeout)
+        grant = Grant(convert.page_ids_in(reply.dst_page_ids), reply.claim_token, reply.remaining_ms / 1000)
+        return ClaimResult(grant, reply.epoch, reply.generation)
+
+    async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
+                       status: TransferStatus, timeout: float) -> State:
+        request = ppb.CompleteTransferRequest(
+            broker_id=self._broker_id, engine_id=engine_id, request_id=request_id, claim_token=claim_token,
+            succeeded=status.state is not State.FAILED, code=status.code, reason=status.reason,
+            pages=status.pages, runs=status.runs, bytes=status.bytes, truncated_pages=status.truncated_pages,
+        )
+        reply = await self._rpc(address, self._stub(address).CompleteTransfer, request, timeout)
+        return State(reply.state)
+
+    async def close(self) -> None:
+        channels = [c for c, _ in self._channels.values()]
+        self._channels.clear()
+        self._sessions.clear()
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)

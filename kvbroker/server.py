@@ -1,0 +1,127 @@
+"""Assembles and runs one broker: startup() → wait → shutdown(), built from one Settings object.
+
+startup: backend, Broker, both gRPC servers (local API and peer API, each with health and
+reflection), listeners bound, health SERVING. shutdown: NOT_SERVING at once, drain in-flight
+transfers within the grace period, stop the servers, release engines and the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
+
+from kvbroker.backends import create_backend
+from kvbroker.broker import Broker, Limits
+from kvbroker.config import Settings
+from kvbroker.peer import PeerClients, PeerServicer
+from kvbroker.service import BrokerServicer
+
+log = logging.getLogger(__name__)
+
+BROKER_SERVICE = broker_service_pb2.DESCRIPTOR.services_by_name["BrokerService"].full_name
+PEER_SERVICE = peer_service_pb2.DESCRIPTOR.services_by_name["PeerService"].full_name
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    listen: str  # the local API as bound (port 0 resolved)
+    peer_listen: str
+    peer_address: str  # what peers are told to dial
+
+
+def _bind(server: grpc.aio.Server, address: str) -> str:
+    if address.startswith("unix:"):
+        Path(address.removeprefix("unix:").removeprefix("//")).parent.mkdir(parents=True, exist_ok=True)
+        server.add_insecure_port(address)
+        return address
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    host = address.rpartition(":")[0]
+    return f"{host}:{port}"
+
+
+class BrokerServer:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.broker: Broker | None = None
+        self.endpoints: Endpoints | None = None
+        self._servers: list[grpc.aio.Server] = []
+        self._health: list[health.aio.HealthServicer] = []
+        self._peers: PeerClients | None = None
+
+    def _grpc_server(self, service_name: str) -> grpc.aio.Server:
+        limit = self.settings.max_message_bytes
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                          ("grpc.max_send_message_length", limit),
+                                          ("grpc.so_reuseport", 0)])
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        reflection.enable_server_reflection(
+            [service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            server,
+        )
+        self._servers.append(server)
+        self._health.append(servicer)
+        return server
+
+    async def startup(self) -> Endpoints:
+        s = self.settings
+        backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
+        limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
+                        s.transfer_timeout_s, s.peer_rpc_timeout_s)
+        broker = Broker(s.broker_id, backend, limits)
+        await broker.start()
+        self.broker = broker
+        self._peers = PeerClients(broker.broker_id, broker.epoch, backend, channel_options=[
+            ("grpc.max_receive_message_length", s.max_message_bytes),
+            ("grpc.max_send_message_length", s.max_message_bytes),
+        ])
+        broker.peers = self._peers
+
+        peer_server = self._grpc_server(PEER_SERVICE)
+        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker), peer_server)
+        peer_listen = _bind(peer_server, s.peer_listen)
+        host = peer_listen.rpartition(":")[0]
+        if s.advertise_host or host in ("0.0.0.0", "[::]"):
+            peer_address = f"{s.advertise_host or s.broker_id}:{peer_listen.rpartition(':')[2]}"
+        else:
+            peer_address = peer_listen
+
+        local_server = self._grpc_server(BROKER_SERVICE)
+        broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
+            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s), local_server)
+        listen = _bind(local_server, s.listen)
+
+        for server in self._servers:
+            await server.start()
+        if listen.startswith("unix:"):
+            os.chmod(listen.removeprefix("unix:").removeprefix("//"), 0o660)
+        for servicer, name in zip(self._health, (PEER_SERVICE, BROKER_SERVICE)):
+            await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.endpoints = Endpoints(listen, peer_listen, peer_address)
+        log.info("broker serving", extra={"listen": listen, "peer_listen": peer_listen, "backend": backend.name,
+                                          "broker_id": broker.broker_id})
+        return self.endpoints
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        for servicer in self._health:
+            await servicer.enter_graceful_shutdown()
+        if self.broker is not None:
+            await self.broker.drain(grace)
+        await asyncio.gather(*(server.stop(1.0) for server in self._servers))
+        if self._peers is not None:
+            await self._peers.close()
+        if self.broker is not None:
+            await self.broker.close()
+        log.info("broker stopped")

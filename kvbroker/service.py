@@ -1,0 +1,85 @@
+"""BrokerService servicer: proto in, domain call, proto out; domain errors become status codes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+
+from kvbroker import __version__, convert
+from kvbroker.broker import Broker, TransferCommand
+from kvbroker.edge import status_code, translate_errors
+from kvbroker.errors import BrokerError
+from kvbroker.peer import PeerClients
+
+
+class BrokerServicer(bpb_grpc.BrokerServiceServicer):
+    def __init__(self, broker: Broker, peers: PeerClients, peer_address: str, unregister_wait_s: float) -> None:
+        self._broker = broker
+        self._peers = peers
+        self._peer_address = peer_address
+        self._unregister_wait_s = unregister_wait_s
+
+    def _engine_info(self, engine) -> bpb.EngineInfo:
+        return bpb.EngineInfo(
+            engine_id=engine.engine_id, topology=convert.topology_out(engine.spec.topology),
+            components=[convert.component_spec_out(c) for c in engine.spec.components],
+            registered_bytes=engine.registered_bytes,
+        )
+
+    @translate_errors
+    async def RegisterEngine(self, request, context):
+        engine = await self._broker.register_engine(convert.engine_spec_in(request))
+        return bpb.RegisterEngineResponse(engine=self._engine_info(engine))
+
+    @translate_errors
+    async def UnregisterEngine(self, request, context):
+        failed = await self._broker.unregister_engine(request.engine_id, self._unregister_wait_s)
+        return bpb.UnregisterEngineResponse(failed_requests=failed)
+
+    @translate_errors
+    async def ExpectTransfer(self, request, context):
+        status = await self._broker.expect_transfer(
+            request.engine_id, request.request_id, convert.components_in(request.components),
+            convert.page_ids_in(request.dst_page_ids), request.expiry_ms,
+        )
+        return bpb.ExpectTransferResponse(status=convert.status_out(status))
+
+    @translate_errors
+    async def Transfer(self, request, context):
+        command = TransferCommand(
+            request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
+            convert.components_in(request.components), convert.page_ids_in(request.src_page_ids),
+            convert.page_ids_in(request.dst_page_ids),
+        )
+        status = await self._broker.transfer(command, context.time_remaining())
+        return bpb.TransferResponse(status=convert.status_out(status))
+
+    async def WatchTransfer(self, request, context):
+        try:
+            updates = self._broker.watch(request.engine_id, request.request_id)
+        except BrokerError as exc:
+            await context.abort(status_code(exc.code), exc.message)
+        async with contextlib.aclosing(updates):
+            async for status in updates:
+                yield bpb.WatchTransferResponse(status=convert.status_out(status))
+
+    @translate_errors
+    async def CancelTransfer(self, request, context):
+        status = await self._broker.cancel(request.engine_id, request.request_id, request.reason)
+        return bpb.CancelTransferResponse(status=convert.status_out(status))
+
+    @translate_errors
+    async def GetBrokerInfo(self, request, context):
+        broker = self._broker
+        return bpb.GetBrokerInfoResponse(
+            broker_id=broker.broker_id, epoch=broker.epoch, version=__version__, backend=broker.backend.name,
+            peer_address=self._peer_address,
+            engines=[self._engine_info(e) for e in broker.registry],
+            peers=[bpb.PeerInfo(address=p.address, broker_id=p.broker_id, epoch=p.epoch, handshakes=p.handshakes)
+                   for p in self._peers.records.values()],
+            request_counts=dict(broker.table.counts),
+        )
+

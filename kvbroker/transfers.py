@@ -1,0 +1,246 @@
+"""Request lifecycle on one broker: records, states, grant expiry, claims, watchers.
+
+A record is a request as one broker sees it: the receiver's grant or the sender's transfer, keyed
+by (engine_id, request_id). `TransferTable` owns every record, every expiry timer and every
+watcher queue; the Broker drives state changes, servicers read snapshots and watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbroker.errors import BrokerError, Code, not_found
+from kvbroker.model import ComponentKind, State, TransferRole
+
+
+@dataclass(frozen=True)
+class TransferStatus:
+    request_id: str
+    engine_id: str
+    role: TransferRole
+    state: State
+    components: tuple[ComponentKind, ...]
+    code: int = 0
+    reason: str = ""
+    pages: int = 0
+    runs: int = 0
+    bytes: int = 0
+    truncated_pages: int = 0
+    duration_us: int = 0
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What ClaimGrant hands the sender."""
+
+    dst_page_ids: np.ndarray
+    claim_token: str
+    remaining_s: float
+
+
+@dataclass(eq=False)
+class TransferRecord:
+    request_id: str
+    engine_id: str
+    role: TransferRole
+    components: tuple[ComponentKind, ...]
+    started: float
+    state: State = State.PENDING
+    code: int = 0
+    reason: str = ""
+    pages: int = 0
+    runs: int = 0
+    bytes: int = 0
+    truncated_pages: int = 0
+    finished: float | None = None
+    # receiver side
+    dst_page_ids: np.ndarray | None = None
+    expires_at: float | None = None
+    claim_token: str = ""
+    claimed_by: str = ""
+    # ownership: timers and the sender's task are cancelled when the record ends
+    timer: asyncio.TimerHandle | None = None
+    task: asyncio.Task | None = None
+    watchers: set[asyncio.Queue] = field(default_factory=set)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.engine_id, self.request_id)
+
+    def snapshot(self) -> TransferStatus:
+        end = self.finished if self.finished is not None else time.monotonic()
+        return TransferStatus(
+            self.request_id, self.engine_id, self.role, self.state, self.components, self.code, self.reason,
+            self.pages, self.runs, self.bytes, self.truncated_pages, int((end - self.started) * 1e6),
+        )
+
+
+class TransferTable:
+    """Every live and recently ended request of one broker. Used on the event loop only."""
+
+    def __init__(self, retention_s: float = 300.0, max_ended: int = 10000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._records: dict[tuple[str, str], TransferRecord] = {}
+        self._ended: dict[tuple[str, str], None] = {}  # insertion-ordered, oldest first
+        self._retention_s = retention_s
+        self._max_ended = max_ended
+        self._clock = clock
+        self.counts: Counter[str] = Counter()
+
+    # -- lookup -------------------------------------------------------------------------------
+    def get(self, engine_id: str, request_id: str) -> TransferRecord:
+        try:
+            return self._records[(engine_id, request_id)]
+        except KeyError:
+            raise not_found(f"request_id: no request {request_id!r} on engine {engine_id!r}") from None
+
+    def live(self, engine_id: str | None = None) -> list[TransferRecord]:
+        return [r for r in self._records.values()
+                if not r.state.terminal and (engine_id is None or r.engine_id == engine_id)]
+
+    # -- creation -----------------------------------------------------------------------------
+    def _add(self, record: TransferRecord) -> TransferRecord:
+        old = self._records.get(record.key)
+        if old is not None and not old.state.terminal:
+            raise BrokerError(
+                Code.ALREADY_EXISTS,
+                f"request_id: request {record.request_id!r} is already in flight on engine {record.engine_id!r}",
+            )
+        if old is not None:
+            self._ended.pop(old.key, None)
+        self._records[record.key] = record
+        self.counts[State.PENDING.name] += 1
+        return record
+
+    def add_grant(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
+                  dst_page_ids: np.ndarray, expiry_s: float) -> TransferRecord:
+        now = self._clock()
+        record = self._add(TransferRecord(request_id, engine_id, TransferRole.RECEIVER, components, now,
+                                          dst_page_ids=dst_page_ids, expires_at=now + expiry_s))
+        record.timer = asyncio.get_running_loop().call_later(expiry_s, self._expire, record)
+        return record
+
+    def add_send(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...]) -> TransferRecord:
+        return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock()))
+
+    # -- state changes ------------------------------------------------------------------------
+    def _publish(self, record: TransferRecord) -> None:
+        status = record.snapshot()
+        for queue in record.watchers:
+            queue.put_nowait(status)
+
+    def start(self, record: TransferRecord) -> None:
+        if record.state is State.PENDING:
+            record.state = State.TRANSFERRING
+            self.counts[State.TRANSFERRING.name] += 1
+            self._publish(record)
+
+    def _end(self, record: TransferRecord, state: State) -> None:
+        record.state = state
+        record.finished = self._clock()
+        self.counts[state.name] += 1
+        if record.timer is not None:
+            record.timer.cancel()
+            record.timer = None
+        record.dst_page_ids = None if state is State.SUCCEEDED else record.dst_page_ids
+        record.done.set()
+        self._publish(record)
+        self._ended[record.key] = None
+        self._trim()
+
+    def succeed(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int) -> bool:
+        if record.state.terminal:
+            return False
+        record.pages, record.runs, record.bytes, record.truncated_pages = pages, runs, nbytes, truncated
+        self._end(record, State.SUCCEEDED)
+        return True
+
+    def fail(self, record: TransferRecord, code: Code | int, reason: str) -> bool:
+        """Fail a live record; a record that already ended keeps its outcome (returns False)."""
+        if record.state.terminal:
+            return False
+        record.code, record.reason = int(code), reason
+        self._end(record, State.FAILED)
+        return True
+
+    def _expire(self, record: TransferRecord) -> None:
+        record.timer = None
+        self.fail(record, Code.DEADLINE_EXCEEDED,
+                  f"grant expired: no transfer completed within its expiry of "
+                  f"{record.expires_at - record.started:.3f}s")
+
+    def _trim(self) -> None:
+        now = self._clock()
+        while self._ended:
+            key = next(iter(self._ended))
+            record = self._records.get(key)
+            stale = record is None or (record.finished or now) + self._retention_s <= now
+            if len(self._ended) <= self._max_ended and not stale:
+                break
+            del self._ended[key]
+            if record is not None and record.state.terminal:
+                del self._records[key]
+
+    # -- the receiver's grant -----------------------------------------------------------------
+    def claim(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
+              dst_page_ids: np.ndarray, claimant: str) -> Grant:
+        """Hand a grant to one sender, once. Raises without changing the grant when refused."""
+        try:
+            record = self.get(engine_id, request_id)
+        except BrokerError:
+            raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
+        if record.role is not TransferRole.RECEIVER:
+            raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
+        if record.state is State.FAILED:
+            code = Code.DEADLINE_EXCEEDED if record.code == Code.DEADLINE_EXCEEDED else Code.FAILED_PRECONDITION
+            raise BrokerError(code, f"grant {request_id!r} has failed: {record.reason}")
+        if record.state is not State.PENDING:
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"grant {request_id!r} was already claimed (state {record.state.name})")
+        outside = [c.name for c in components if c not in record.components]
+        if outside:
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"components: {', '.join(outside)} not in the grant for request {request_id!r}")
+        granted = record.dst_page_ids
+        if dst_page_ids.size:
+            inside = np.isin(dst_page_ids, granted)
+            if not inside.all():
+                bad = int(np.flatnonzero(~inside)[0])
+                raise BrokerError(
+                    Code.PERMISSION_DENIED,
+                    f"dst_page_ids[{bad}]: page {int(dst_page_ids[bad])} is outside the grant for request "
+                    f"{request_id!r}",
+                )
+            granted = dst_page_ids
+        record.claim_token = secrets.token_hex(16)
+        record.claimed_by = claimant
+        self.start(record)
+        return Grant(granted, record.claim_token, max(0.0, record.expires_at - self._clock()))
+
+    # -- watching -----------------------------------------------------------------------------
+    async def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
+        """The current state, then every change, ending after a terminal state."""
+        record = self.get(engine_id, request_id)
+        queue: asyncio.Queue[TransferStatus] = asyncio.Queue()
+        record.watchers.add(queue)
+        try:
+            status = record.snapshot()
+            yield status
+            while not status.state.terminal:
+                change = await queue.get()
+                if change.state is not status.state:
+                    status = change
+                    yield status
+        finally:
+            record.watchers.discard(queue)
+
+    def watcher_count(self) -> int:
+        return sum(len(r.watchers) for r in self._records.values())
