@@ -262,7 +262,7 @@ class Broker:
                 session = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=False,
                                                    timeout=min(left(), self.limits.peer_rpc_timeout_s))
                 reached_peer = True
-                topology.check_transfer(engine.layout, session.engine, record.components)
+                session = await self._apply_rules(engine, session, cmd, record.components, left)
                 claimed = await self.peers.claim(session, cmd.request_id, record.components, cmd.dst_page_ids,
                                                  timeout=min(left(), self.limits.peer_rpc_timeout_s))
                 token = claimed.grant.claim_token
@@ -308,6 +308,21 @@ class Broker:
             if record.state is State.FAILED and reached_peer:
                 await self._tell_peer_failed(cmd, token, record)
             self._log(record, peer=cmd.peer_address)
+
+    async def _apply_rules(self, engine: Engine, session: PeerSession, cmd: TransferCommand,
+                           kinds: tuple[ComponentKind, ...], left) -> PeerSession:
+        """Check every topology rule; a cached handshake that fails is refreshed once before refusing,
+        since the peer engine may have re-registered since."""
+        try:
+            topology.check_transfer(engine.layout, session.engine, kinds)
+            return session
+        except BrokerError:
+            fresh = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=True,
+                                             timeout=min(left(), self.limits.peer_rpc_timeout_s))
+            if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
+                raise
+            topology.check_transfer(engine.layout, fresh.engine, kinds)
+            return fresh
 
     async def _tell_peer_failed(self, cmd: TransferCommand, token: str, record: TransferRecord) -> None:
         if record.code == Code.PERMISSION_DENIED or record.code == Code.NOT_FOUND:

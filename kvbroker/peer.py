@@ -107,14 +107,18 @@ class PeerClients:
             asyncio.get_running_loop().create_task(entry[0].close()).add_done_callback(lambda t: t.exception())
 
     async def _rpc(self, address: str, call, request, timeout: float):
+        loop = asyncio.get_running_loop()
+        timeout = max(timeout, 0.001)
+        deadline = loop.time() + timeout
         try:
-            return await call(request, timeout=max(timeout, 0.001), wait_for_ready=False)
+            return await call(request, timeout=timeout, wait_for_ready=False)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # DEADLINE_EXCEEDED is ours when our deadline passed; before it, the peer said it (an expired grant).
+            silent = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() >= deadline - 0.001
+            if silent or exc.code() is grpc.StatusCode.UNAVAILABLE:
                 self.forget(address)
-                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise BrokerError(Code.UNAVAILABLE,
-                                      f"peer broker {address}: no answer within {timeout:.3f}s") from None
+            if silent:
+                raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: no answer within {timeout:.3f}s") from None
             raise from_rpc_error(exc, f"peer broker {address}") from None
 
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:

@@ -1,0 +1,157 @@
+"""Shared fixtures: real brokers in subprocesses on loopback, one pair per backend, and engines on them.
+
+Run the suite through scripts/test.sh: it puts pytest (and so every broker) in a private network
+namespace with only loopback, because UCX and Mooncake listen on all interfaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pytest
+import pytest_asyncio
+from kvbroker_client.shm import SharedSegment
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+from kvbroker_client.v1 import common_pb2 as pb
+
+from kvbroker import demo
+from kvbroker.launch import BrokerProcess, start_broker
+
+BACKENDS = ["nixl"]
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+# A small MiniMax-M3-like shape: 3 dense + 4 sparse layers, 64 pages per buffer.
+SMALL = demo.ModelShape("small", 3, 4, page_size=4, kv_heads=1, head_dim=32, kv_bytes=2, index_head_dim=16,
+                        index_bytes=1, num_pages=64, request_pages=24)
+
+
+@dataclass
+class Broker:
+    process: BrokerProcess
+    channel: grpc.aio.Channel
+    stub: bpb_grpc.BrokerServiceStub
+
+    @property
+    def peer_address(self) -> str:
+        return self.process.peer_listen
+
+
+@dataclass
+class BrokerPair:
+    backend: str
+    prefill: Broker
+    decode: Broker
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
+async def open_broker(name: str, backend: str, *args: str) -> Broker:
+    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args)
+    channel = grpc.aio.insecure_channel(process.listen)
+    return Broker(process, channel, bpb_grpc.BrokerServiceStub(channel))
+
+
+async def close_broker(broker: Broker) -> int:
+    await broker.channel.close()
+    return await broker.process.stop()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def brokers(backend: str) -> AsyncIterator[BrokerPair]:
+    prefill = await open_broker(f"prefill-{backend}", backend)
+    decode = await open_broker(f"decode-{backend}", backend)
+    yield BrokerPair(backend, prefill, decode)
+    for broker in (prefill, decode):
+        await close_broker(broker)
+
+
+@dataclass
+class Engine:
+    """An engine registered on a broker, over its own shared-memory pool."""
+
+    broker: Broker
+    engine_id: str
+    shape: demo.ModelShape
+    segment: SharedSegment
+    placements: list[demo.BufferPlacement]
+    components: list[int] = field(default_factory=list)
+
+    @property
+    def stub(self) -> bpb_grpc.BrokerServiceStub:
+        return self.broker.stub
+
+
+_engine_numbers = iter(range(1, 1 << 30))
+
+
+class Engines:
+    """Registers engines for one test and releases them (and their segments) after it."""
+
+    def __init__(self) -> None:
+        self._made: list[Engine] = []
+
+    async def make(self, broker: Broker, role: str, shape: demo.ModelShape = SMALL,
+                   components=("MAIN_KV", "MINIMAX_INDEX_K"), main_layout: str = "KV_SPLIT",
+                   fill: str = "random", seed: int = 0, **topology) -> Engine:
+        number = next(_engine_numbers)
+        placements = demo.place_buffers(shape, components, main_layout)
+        segment = SharedSegment.create(demo.pool_size(shape, placements), f"kvbt-{role}")
+        if fill == "random":
+            demo.fill_random(segment.array, np.random.default_rng(seed + number))
+        else:
+            segment.array[:] = demo.CANARY
+        engine_id = f"{role}-{os.getpid()}-{number}/tp0"
+        request = demo.register_request(engine_id, shape, segment, placements, main_layout,
+                                        demo.topology(shape, **topology))
+        engine = Engine(broker, engine_id, shape, segment, placements,
+                        [c.component for c in request.components])
+        self._made.append(engine)
+        await broker.stub.RegisterEngine(request, timeout=30)
+        return engine
+
+    async def close(self) -> None:
+        for engine in self._made:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await engine.stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=engine.engine_id),
+                                                   timeout=30)
+            engine.segment.close()
+            engine.segment.unlink()
+
+
+@pytest_asyncio.fixture
+async def engines() -> AsyncIterator[Engines]:
+    made = Engines()
+    yield made
+    await made.close()
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+@pytest.fixture
+def request_id() -> str:
+    return f"req-{os.getpid()}-{next(_ids)}"
+
+
+ALL = [pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K]
+
+
+def expected_after(src: Engine, dst: Engine, before: np.ndarray, components, src_ids, dst_ids) -> np.ndarray:
+    return demo.expected_destination(src.segment.array, before, dst.shape, dst.placements, set(components),
+                                     np.asarray(src_ids), np.asarray(dst_ids))
+
+
+def assert_bytes(dst: Engine, expected: np.ndarray) -> None:
+    """Every byte of the destination pool: moved pages equal the source, all else still canary."""
+    diff = np.flatnonzero(dst.segment.array != expected)
+    assert diff.size == 0, f"{diff.size} bytes differ, first at offset {diff[0] if diff.size else None}"
