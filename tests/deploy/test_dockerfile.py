@@ -1,0 +1,157 @@
+"""The image recipe, without a Docker engine: hadolint, the instructions it must hold, the build
+context .dockerignore lets through, and its HEALTHCHECK against a real broker."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.conftest import REPO, build_context_files, dockerfile_instructions, env_of, tool
+from kvbroker.config import Settings
+
+INSTRUCTIONS = dockerfile_instructions()
+FINAL_STAGE = max(i.stage for i in INSTRUCTIONS)
+FINAL = [i for i in INSTRUCTIONS if i.stage == FINAL_STAGE]
+
+
+def stage_named(name: str) -> int:
+    for i in INSTRUCTIONS:
+        if i.keyword == "FROM" and re.search(rf"\bAS\s+{re.escape(name)}$", i.args, re.IGNORECASE):
+            return i.stage
+    raise AssertionError(f"no stage named {name}")
+
+
+def only(keyword: str, instructions=FINAL):
+    found = [i for i in instructions if i.keyword == keyword]
+    assert found, f"no {keyword} in the final stage"
+    return found[-1]
+
+
+def test_hadolint_finds_nothing():
+    result = subprocess.run([tool("hadolint"), "--no-color", "Dockerfile"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
+
+
+def test_build_is_multi_stage_and_the_final_stage_copies_only_the_venv():
+    assert sum(i.keyword == "FROM" for i in INSTRUCTIONS) >= 3
+    copies = [i for i in FINAL if i.keyword == "COPY"]
+    assert [c.flags().get("from") for c in copies] == ["build"]
+    assert copies[0].args.split()[-2:] == ["/opt/venv", "/opt/venv"]
+
+
+def test_flavor_is_a_build_arg_defaulting_to_cpu_that_picks_the_runtime_stage():
+    global_args = [i.args for i in INSTRUCTIONS if i.stage == -1 and i.keyword == "ARG"]
+    assert "FLAVOR=cpu" in global_args
+    assert re.fullmatch(r"runtime-\$\{FLAVOR\} AS runtime", only("FROM").args)
+    stage_named("runtime-cpu"), stage_named("runtime-cuda")
+
+
+def test_each_flavor_installs_extras_that_pyproject_defines():
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    build = [i for i in INSTRUCTIONS if i.stage == stage_named("build") and i.keyword == "RUN"]
+    install = next(i.args for i in build if "FLAVOR" in i.args)
+    cpu = re.search(r"cpu\)(.*?);;", install).group(1)
+    cuda = re.search(r"cuda\)(.*?);;", install).group(1)
+    assert "-c constraints/cpu.txt" in cpu and "[nixl,mooncake-cpu]" in cpu
+    assert "constraints" not in cuda and "[nixl,mooncake]" in cuda
+    assert {"nixl", "mooncake-cpu", "mooncake"} <= set(extras)
+    assert re.search(r"\*\).*exit 1", install), "an unknown FLAVOR must fail the build"
+
+
+def test_client_package_is_installed_before_the_daemon():
+    build = [i for i in INSTRUCTIONS if i.stage == stage_named("build") and i.keyword == "RUN"]
+    client = next(n for n, i in enumerate(build) if "./clients/python" in i.args)
+    daemon = next(n for n, i in enumerate(build) if "FLAVOR" in i.args)
+    assert client < daemon
+
+
+def test_engine_system_libraries_are_installed_for_both_flavors():
+    base = [i for i in INSTRUCTIONS if i.stage == stage_named("base") and i.keyword == "RUN"]
+    apt = next(i.args for i in base if "apt-get install" in i.args)
+    for package in ("libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"):
+        assert re.search(rf"\s{package}(\s|$)", apt), package
+    assert "--no-install-recommends" in apt and "rm -rf /var/lib/apt/lists/*" in apt
+    for runtime in ("runtime-cpu", "runtime-cuda"):
+        assert re.search(r"\bbase\b", next(i.args for i in INSTRUCTIONS if i.stage == stage_named(runtime)))
+
+
+def test_runs_as_a_non_root_numeric_user():
+    user = only("USER").args.split(":")[0]
+    assert user.isdigit() and int(user) != 0  # numeric, so that runAsNonRoot can verify it
+
+
+def test_entrypoint_is_kvbroker_serve():
+    assert only("ENTRYPOINT").exec_form() == ["kvbroker", "serve"]
+    assert not [i for i in FINAL if i.keyword == "CMD"]
+
+
+def test_default_settings_are_a_unix_socket_the_peer_port_and_json_logs():
+    env = env_of(INSTRUCTIONS[: INSTRUCTIONS.index(only("ENTRYPOINT"))])
+    settings = Settings(**{k.removeprefix("KVBROKER_").lower(): v for k, v in env.items()
+                           if k.startswith("KVBROKER_")})
+    assert settings.listen == "unix:/run/kvbroker/kvbroker.sock"
+    assert settings.peer_listen == "0.0.0.0:50052"
+    assert settings.log_format == "json"
+    assert only("EXPOSE").args == "50052"
+    assert any(i.keyword == "RUN" and "/run/kvbroker" in i.args for i in FINAL)
+
+
+def test_healthcheck_asks_the_grpc_health_service():
+    healthcheck = only("HEALTHCHECK")
+    assert healthcheck.exec_form()[:3] == ["python", "-m", "kvbroker.probe"]
+    assert {"interval", "timeout", "start-period", "retries"} <= set(healthcheck.flags())
+
+
+def test_build_context_holds_what_the_build_copies_and_nothing_private():
+    files = build_context_files()
+    for copy in (i for i in INSTRUCTIONS if i.keyword == "COPY" and "--from" not in i.args):
+        for source in copy.args.split()[:-1]:
+            assert any(f == source or f.startswith(source.rstrip("/") + "/") for f in files), source
+    assert "kvbroker/cli.py" in files and "clients/python/pyproject.toml" in files
+    for private in (".git/", ".venv/", "tests/", "deploy/", "Dockerfile"):
+        assert not [f for f in files if f.startswith(private)], private
+
+
+def test_build_context_builds_both_packages(tmp_path):
+    context = tmp_path / "src"
+    for name in build_context_files():
+        (context / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, context / name)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "--wheel-dir", str(tmp_path / "wheels"), "./clients/python", "."],
+                            cwd=context, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "wheels").glob("*.whl")) == [
+        "kvbroker", "kvbroker_client"]
+
+
+@pytest.mark.integration
+async def test_healthcheck_passes_against_a_serving_broker_and_fails_after_it_stops(tmp_path):
+    from kvbroker.launch import start_broker
+
+    socket = f"unix:{tmp_path}/kvbroker.sock"
+    image_env = {**env_of(INSTRUCTIONS[: INSTRUCTIONS.index(only("ENTRYPOINT"))]), "KVBROKER_LISTEN": socket}
+    image_env.pop("PATH")
+    command = only("HEALTHCHECK").exec_form()
+    command[0] = sys.executable
+
+    def healthcheck() -> subprocess.CompletedProcess:
+        return subprocess.run(command, env={**os.environ, **image_env}, capture_output=True, text=True,
+                              timeout=30)
+
+    broker = await start_broker("healthcheck", "--listen", socket, env=image_env)
+    try:
+        serving = healthcheck()
+    finally:
+        await broker.stop()
+    stopped = healthcheck()
+    assert (serving.returncode, serving.stdout.strip()) == (0, "SERVING"), serving.stderr
+    assert stopped.returncode == 1 and "UNAVAILABLE" in stopped.stderr
