@@ -1,0 +1,306 @@
+"""BrokerClient: the async client an inference server uses to talk to its local broker.
+
+    client = await BrokerClient.connect("unix:/run/kvbroker/kvbroker.sock")   # or "127.0.0.1:50051"
+    await client.register_engine(engine_id, topology, components)              # both sides, once
+    await client.expect_transfer(engine_id, request_id, dst_page_ids)          # decode side: the grant
+    await client.transfer(engine_id, request_id, peer_address, remote_engine_id, src_page_ids)  # prefill side
+    await client.wait(engine_id, request_id)                                   # either side; or watch()
+    await client.cancel(...), await client.info(), await client.unregister_engine(...), await client.close()
+
+Every call has a deadline: `timeout` (unary calls) or `transfer_timeout` (transfer, watch, wait)
+unless the call passes its own; it bounds the whole call, reconnection included. Failures raise
+the typed errors of `kvbroker_client.errors`.
+
+Broker restarts: the client remembers the engines it registered and the broker's epoch. When a
+call fails with UNAVAILABLE, or with NOT_FOUND while it holds engines, it asks the broker for its
+epoch (waiting for it to come back, within the call's deadline); a new epoch means a new broker
+process, so it registers the engines again and retries the call once. `transfer` is retried only
+after NOT_FOUND: after UNAVAILABLE it may have reached the old broker and half-run. `info()`
+notices a new epoch the same way. Requests in flight at the restart are lost with the old broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+import grpc
+import numpy as np
+
+from kvbroker_client.errors import (
+    BrokerError,
+    DeadlineExceeded,
+    InvalidArgument,
+    Unavailable,
+    Unknown,
+    from_rpc_error,
+    from_status,
+)
+from kvbroker_client.model import (
+    BrokerInfo,
+    Component,
+    ComponentSpec,
+    EngineInfo,
+    Topology,
+    TransferState,
+    TransferStatus,
+)
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+from kvbroker_client.v1 import common_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_TRANSFER_TIMEOUT_S = 120.0
+# A sidecar on loopback or a Unix socket comes back within seconds: probe it often, not with
+# gRPC's default backoff of up to two minutes.
+CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+
+ComponentLike = Component | int | str
+PageIds = Sequence[int] | np.ndarray
+
+
+def _page_ids(ids: PageIds, field_name: str) -> list[int]:
+    array = np.asarray(ids)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidArgument(f"{field_name}: expected a 1-D sequence of integer page ids")
+    if array.size and (array.min() < 0 or array.max() >= 1 << 32):
+        bad = int(np.flatnonzero((array < 0) | (array >= 1 << 32))[0])
+        raise InvalidArgument(f"{field_name}[{bad}]: page id {int(array[bad])} is outside [0, 2**32)")
+    return array.astype(np.int64).tolist()
+
+
+def _components(components: Iterable[ComponentLike]) -> list[int]:
+    return [int(Component.of(c)) for c in components]
+
+
+def _topology(topology: Topology | pb.Topology) -> pb.Topology:
+    return topology.to_proto() if isinstance(topology, Topology) else topology
+
+
+def _component_spec(spec: ComponentSpec | pb.ComponentSpec) -> pb.ComponentSpec:
+    return spec.to_proto() if isinstance(spec, ComponentSpec) else spec
+
+
+class BrokerClient:
+    """An async client of one broker's BrokerService. Create it inside a running event loop."""
+
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT_S,
+                 transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S,
+                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.transfer_timeout = transfer_timeout
+        options = dict(CHANNEL_OPTIONS)
+        options.update(channel_options)
+        self._channel = grpc.aio.insecure_channel(target, options=list(options.items()))
+        self._stub = bpb_grpc.BrokerServiceStub(self._channel)
+        self._engines: dict[str, bpb.RegisterEngineRequest] = {}  # what to register again after a restart
+        self._epoch: int | None = None
+        self._recovery = asyncio.Lock()
+        self.restarts_seen = 0
+
+    @classmethod
+    async def connect(cls, target: str, **kwargs) -> BrokerClient:
+        """A client whose broker has answered; Unavailable when none does within `timeout`."""
+        client = cls(target, **kwargs)
+        try:
+            await client.info(wait_for_ready=True)
+        except DeadlineExceeded as exc:
+            await client.close()
+            raise Unavailable(f"no broker answered at {target} within {client.timeout}s") from exc
+        except BaseException:
+            await client.close()
+            raise
+        return client
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> BrokerClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    @property
+    def epoch(self) -> int | None:
+        """The broker epoch last seen; None before the first answer."""
+        return self._epoch
+
+    @property
+    def registered_engines(self) -> tuple[str, ...]:
+        return tuple(self._engines)
+
+    # -- the API -------------------------------------------------------------------------------
+    async def info(self, *, timeout: float | None = None, wait_for_ready: bool = False) -> BrokerInfo:
+        """The broker's identity, engines, peers and counters. Re-registers engines after a restart."""
+        deadline = self._deadline(timeout, self.timeout)
+        reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), deadline,
+                                  wait_for_ready=wait_for_ready)
+        if self._epoch is None:
+            self._epoch = reply.epoch
+        elif reply.epoch != self._epoch:
+            await self._recover(deadline, seen=reply)
+            reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), deadline)
+        return BrokerInfo.from_proto(reply)
+
+    async def register_engine(self, engine_id: str, topology: Topology | pb.Topology,
+                              components: Sequence[ComponentSpec | pb.ComponentSpec], *,
+                              timeout: float | None = None) -> EngineInfo:
+        """Register an engine; the client registers it again whenever the broker restarts."""
+        deadline = self._deadline(timeout, self.timeout)
+        if self._epoch is None:  # a restart can only be told from the epoch the engine was registered under
+            await self.info(timeout=self._remaining(deadline))
+        request = bpb.RegisterEngineRequest(engine_id=engine_id, topology=_topology(topology),
+                                            components=[_component_spec(c) for c in components])
+        reply = await self._unary("RegisterEngine", request, deadline, retry=True)
+        self._engines[engine_id] = request
+        return EngineInfo.from_proto(reply.engine)
+
+    async def unregister_engine(self, engine_id: str, *, timeout: float | None = None) -> int:
+        """Release an engine; returns the number of its requests that were failed by it."""
+        self._engines.pop(engine_id, None)
+        reply = await self._unary("UnregisterEngine", bpb.UnregisterEngineRequest(engine_id=engine_id),
+                                  self._deadline(timeout, self.timeout))
+        return reply.failed_requests
+
+    async def expect_transfer(self, engine_id: str, request_id: str, dst_page_ids: PageIds, *,
+                              components: Iterable[ComponentLike] = (Component.MAIN_KV,),
+                              expiry_s: float | None = None, timeout: float | None = None) -> TransferStatus:
+        """Receiver side: grant a peer the right to write these pages of these components until expiry.
+
+        `expiry_s` None takes the broker's default grant lifetime.
+        """
+        request = bpb.ExpectTransferRequest(
+            request_id=request_id, engine_id=engine_id, components=_components(components),
+            dst_page_ids=_page_ids(dst_page_ids, "dst_page_ids"),
+            expiry_ms=0 if expiry_s is None else max(1, round(expiry_s * 1000)),
+        )
+        reply = await self._unary("ExpectTransfer", request, self._deadline(timeout, self.timeout))
+        return TransferStatus.from_proto(reply.status)
+
+    async def transfer(self, engine_id: str, request_id: str, peer_address: str, remote_engine_id: str,
+                       src_page_ids: PageIds, *, dst_page_ids: PageIds = (),
+                       components: Iterable[ComponentLike] = (Component.MAIN_KV,),
+                       timeout: float | None = None) -> TransferStatus:
+        """Sender side: move pages to the peer broker's engine; returns once the receiver was told.
+
+        `peer_address` is the receiving broker's peer address (its `info().peer_address`); empty
+        `dst_page_ids` means the grant's pages. Raises the typed error of the failure.
+        """
+        request = bpb.TransferRequest(
+            request_id=request_id, engine_id=engine_id, peer_address=peer_address,
+            remote_engine_id=remote_engine_id, components=_components(components),
+            src_page_ids=_page_ids(src_page_ids, "src_page_ids"),
+            dst_page_ids=_page_ids(dst_page_ids, "dst_page_ids"),
+        )
+        reply = await self._unary("Transfer", request, self._deadline(timeout, self.transfer_timeout),
+                                  retry_unavailable=False)
+        return TransferStatus.from_proto(reply.status)
+
+    async def watch(self, engine_id: str, request_id: str, *,
+                    timeout: float | None = None) -> AsyncIterator[TransferStatus]:
+        """The request's current state, then each change; ends after a terminal state."""
+        deadline = self._deadline(timeout, self.transfer_timeout)
+        call = self._stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id),
+                                        timeout=self._remaining(deadline))
+        try:
+            async for reply in call:
+                yield TransferStatus.from_proto(reply.status)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def wait(self, engine_id: str, request_id: str, *, timeout: float | None = None) -> TransferStatus:
+        """Wait for the request to end: its status when SUCCEEDED, else the typed error of its failure."""
+        last: TransferStatus | None = None
+        async for status in self.watch(engine_id, request_id, timeout=timeout):
+            last = status
+        if last is None or not last.state.terminal:
+            raise Unknown(f"the watch of request {request_id!r} ended before a terminal state")
+        if last.state is TransferState.FAILED:
+            raise from_status(last)
+        return last
+
+    async def cancel(self, engine_id: str, request_id: str, reason: str = "", *,
+                     timeout: float | None = None) -> TransferStatus:
+        """Cancel a grant or an outgoing transfer; returns its state after (FAILED, or terminal already)."""
+        reply = await self._unary("CancelTransfer", bpb.CancelTransferRequest(
+            engine_id=engine_id, request_id=request_id, reason=reason), self._deadline(timeout, self.timeout))
+        return TransferStatus.from_proto(reply.status)
+
+    # -- deadlines, errors, restarts -----------------------------------------------------------
+    @staticmethod
+    def _deadline(timeout: float | None, default: float) -> float:
+        return asyncio.get_running_loop().time() + (default if timeout is None else timeout)
+
+    @staticmethod
+    def _remaining(deadline: float) -> float:
+        return max(0.0, deadline - asyncio.get_running_loop().time())
+
+    async def _unary(self, method: str, request, deadline: float, *, retry: bool = True,
+                     retry_unavailable: bool = True, wait_for_ready: bool = False):
+        seen = self._epoch
+        try:
+            return await getattr(self._stub, method)(request, timeout=self._remaining(deadline),
+                                                     wait_for_ready=wait_for_ready)
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc_error(exc)
+            code = exc.code()
+        may_be_restart = code is grpc.StatusCode.UNAVAILABLE or (
+            code is grpc.StatusCode.NOT_FOUND and bool(self._engines))
+        if not (retry and may_be_restart and await self._recover(deadline, since=seen)):
+            raise error
+        if code is grpc.StatusCode.UNAVAILABLE and not retry_unavailable:
+            raise error
+        try:
+            return await getattr(self._stub, method)(request, timeout=self._remaining(deadline))
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    async def _recover(self, deadline: float, *, since: int | None = None,
+                       seen: bpb.GetBrokerInfoResponse | None = None) -> bool:
+        """True when the broker is a new process (epoch changed) and the engines are registered again."""
+        if self._epoch is None:
+            return False
+        async with self._recovery:
+            if since is not None and self._epoch != since:
+                return True  # another call recovered while this one waited for the lock
+            if seen is None:
+                try:
+                    seen = await self._stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(),
+                                                          timeout=self._remaining(deadline), wait_for_ready=True)
+                except grpc.aio.AioRpcError:
+                    return False  # still gone within the deadline: the caller sees the original error
+            if seen.epoch == self._epoch:
+                return False
+            log.warning("broker %s restarted (epoch %d -> %d); registering %d engine(s) again",
+                        self.target, self._epoch, seen.epoch, len(self._engines))
+            self._epoch = seen.epoch
+            self.restarts_seen += 1
+            await self._register_again(deadline, {e.engine_id for e in seen.engines})
+            return True
+
+    async def _register_again(self, deadline: float, present: set[str]) -> None:
+        failures: list[BrokerError] = []
+        for engine_id, request in list(self._engines.items()):
+            if engine_id in present:
+                continue
+            try:
+                await self._stub.RegisterEngine(request, timeout=self._remaining(deadline))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is not grpc.StatusCode.ALREADY_EXISTS:
+                    failures.append(from_rpc_error(exc))
+                    log.error("could not register engine %s again: %s", engine_id, failures[-1])
+        if failures:
+            raise failures[0]
