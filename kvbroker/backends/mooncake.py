@@ -1,0 +1,191 @@
+"""Mooncake Transfer Engine backend: one engine per broker, P2P handshake, batched synchronous writes.
+
+The engine is initialised in P2P-handshake mode (no metadata server) on the host peers reach this
+broker by; its session id, "host:rpc_port", is the handshake metadata and the peer handle. Control
+calls (initialise, register, teardown) run on one dedicated thread; writes run on a small pool,
+because the engine's batch calls block until the batch completes. A request is cut into batches of
+at most BATCH_DESCRIPTORS rows and at most PEER_WINDOW batches are in flight towards one peer, so
+the TCP transport's per-peer queue (1024 transfers unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
+says otherwise) never overflows, however fragmented the request and however many run at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvbroker.backends.base import Backend, TransferFailed
+from kvbroker.config import Settings
+from kvbroker.planner import Descriptors
+from kvbroker.registry import Region
+
+log = logging.getLogger(__name__)
+
+P2P_HANDSHAKE = "P2PHANDSHAKE"
+BATCH_DESCRIPTORS = 512
+PEER_WINDOW = 2  # batches in flight per peer: BATCH_DESCRIPTORS * PEER_WINDOW stays within the TCP queue
+WRITER_THREADS = 4
+QUIESCE_TIMEOUT_S = 120.0  # the engine abandons a batch after MC_TRANSFER_TIMEOUT (30 s) + 1 ns per byte
+
+
+class MooncakeBackend(Backend):
+    name = "mooncake"
+
+    def __init__(self, agent_name: str, settings: Settings) -> None:
+        self._agent_name = agent_name
+        self._host = settings.peer_address.rpartition(":")[0]  # advertise_host, else the peer listener's host
+        self._protocol = settings.mooncake_protocol
+        self._device = settings.mooncake_device
+        self._engine = None
+        self._session = ""
+        self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
+        self._writers = concurrent.futures.ThreadPoolExecutor(WRITER_THREADS,
+                                                              thread_name_prefix="mooncake-write")
+        self._windows: dict[str, asyncio.Semaphore] = {}
+        self._inflight: set[concurrent.futures.Future] = set()  # batches the engine may still be moving
+
+    async def _call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
+
+    async def start(self) -> None:
+        def create():
+            from mooncake.engine import TransferEngine
+
+            engine = TransferEngine()
+            rc = engine.initialize(self._host, P2P_HANDSHAKE, self._protocol, self._device)
+            if rc != 0:
+                raise TransferFailed(f"Mooncake initialize(host={self._host!r}, protocol={self._protocol!r}, "
+                                     f"device={self._device!r}) returned {rc}")
+            return engine, f"{self._host}:{engine.get_rpc_port()}"
+
+        self._engine, self._session = await self._call(create)
+        log.debug("Mooncake engine %s serving session %s over %s", self._agent_name, self._session,
+                  self._protocol)
+
+    async def register(self, regions: Sequence[Region]) -> object:
+        def register_all():
+            done: list[int] = []
+            for r in regions:
+                # "*" lets the engine find the memory's location itself (NUMA node, or GPU in CUDA builds).
+                rc = self._engine.register_memory(r.address, r.length, "*")
+                if rc != 0:
+                    _unregister(self._engine, done)
+                    raise TransferFailed(f"Mooncake register_memory({r.address:#x}, {r.length}) "
+                                         f"returned {rc}")
+                done.append(r.address)
+            return done
+
+        return await self._call(register_all)
+
+    async def deregister(self, handle: object) -> None:
+        await self._quiesce()  # a batch cut short by a timeout may still be reading this memory
+        await self._call(_unregister, self._engine, handle)
+
+    async def metadata(self) -> bytes:
+        return self._session.encode()
+
+    async def connect(self, metadata: bytes) -> object:
+        # The engine opens the peer's segment (its handshake) on the first write and caches it.
+        session = metadata.decode(errors="replace")
+        host, _, port = session.rpartition(":")
+        if not host or not port.isdigit():
+            raise TransferFailed(f"Mooncake peer metadata {session!r} is not a host:port session id")
+        return session
+
+    async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        window = self._windows.setdefault(peer, asyncio.Semaphore(PEER_WINDOW))
+        running: list[concurrent.futures.Future] = []
+        try:
+            async with asyncio.timeout(timeout):
+                for start in range(0, descriptors.count, BATCH_DESCRIPTORS):
+                    await window.acquire()
+                    running.append(self._submit(loop, window, peer, descriptors, start))
+                    running = _pending_or_raise(running)
+                await asyncio.gather(*map(_wrap, running))
+        except TransferFailed:
+            # Let the sibling batches land before the receiver hears of the failure and reuses its pages.
+            if running:
+                await asyncio.wait(list(map(_wrap, running)), timeout=max(0.0, deadline - loop.time()))
+            raise
+        except TimeoutError:
+            raise TimeoutError(f"Mooncake write of {descriptors.count} descriptors to {peer} still in "
+                               f"progress after {timeout:.3f}s") from None
+        finally:
+            for future in running:
+                future.cancel()  # only batches still queued for a thread; running ones finish in the engine
+
+    def _submit(self, loop: asyncio.AbstractEventLoop, window: asyncio.Semaphore, peer: str,
+                descriptors: Descriptors, start: int) -> concurrent.futures.Future:
+        """Hand one batch to a writer thread; its window slot is freed when the engine is done with it."""
+        stop = min(start + BATCH_DESCRIPTORS, descriptors.count)
+        try:
+            future = self._writers.submit(_write_batch, self._engine, peer, descriptors.src[start:stop],
+                                          descriptors.dst[start:stop], start, descriptors.count)
+        except BaseException:
+            window.release()
+            raise
+        self._inflight.add(future)
+
+        def finished(f: concurrent.futures.Future) -> None:
+            window.release()
+            self._inflight.discard(f)
+
+        future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
+        return future
+
+    async def _quiesce(self) -> None:
+        if self._inflight:
+            _, pending = await asyncio.wait(list(map(_wrap, self._inflight)), timeout=QUIESCE_TIMEOUT_S)
+            if pending:
+                log.warning("%d Mooncake batches still in flight after %.0fs", len(pending),
+                            QUIESCE_TIMEOUT_S)
+
+    async def close(self) -> None:
+        await self._quiesce()
+
+        def teardown():
+            # Dropping the last reference runs the engine's destructor: segments closed, transports stopped.
+            self._engine = None
+
+        if self._engine is not None:
+            await self._call(teardown)
+        self._windows.clear()
+        self._writers.shutdown(wait=True)
+        self._control.shutdown(wait=True)
+
+
+def _write_batch(engine, peer: str, src: np.ndarray, dst: np.ndarray, start: int, total: int) -> None:
+    rc = engine.batch_transfer_sync_write(peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist())
+    if rc != 0:
+        raise TransferFailed(f"Mooncake batch_transfer_sync_write to {peer} returned {rc} "
+                             f"(descriptors {start}..{start + len(src) - 1} of {total})")
+
+
+def _wrap(future: concurrent.futures.Future) -> asyncio.Future:
+    wrapped = asyncio.wrap_future(future)
+    wrapped.add_done_callback(lambda f: f.cancelled() or f.exception())  # no "never retrieved" warnings
+    return wrapped
+
+
+def _pending_or_raise(futures: list[concurrent.futures.Future]) -> list[concurrent.futures.Future]:
+    """Drop the batches that succeeded; raise the first failure among those that finished."""
+    pending = []
+    for future in futures:
+        if not future.done():
+            pending.append(future)
+        elif not future.cancelled() and future.exception() is not None:
+            raise future.exception()
+    return pending
+
+
+def _unregister(engine, addresses: Sequence[int]) -> None:
+    for address in addresses:
+        rc = engine.unregister_memory(address)
+        if rc != 0:  # nothing to undo: the region is gone from the engine's view either way
+            log.warning("Mooncake unregister_memory(%#x) returned %d", address, rc)
