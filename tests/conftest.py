@@ -23,7 +23,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker import demo
 from kvbroker.launch import BrokerProcess, start_broker
 
-BACKENDS = ["nixl"]
+BACKENDS = ["nixl", "mooncake"]
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 

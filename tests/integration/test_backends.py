@@ -1,0 +1,122 @@
+"""What every transfer engine must survive: a request cut into thousands of runs, and a write it refuses.
+
+The first test goes through two real brokers; the second drives the backend interface directly,
+because no broker would hand an engine a descriptor outside the peer's registered memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+
+from kvbroker import demo
+from kvbroker.backends import create_backend
+from kvbroker.config import Settings
+from kvbroker.planner import Descriptors
+from kvbroker.registry import Region
+from tests.conftest import ALL, assert_bytes, expected_after
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# One dense and one sparse layer (five layer buffers), small pages, a pool large enough for 6,000
+# scattered pages: about 30,000 descriptors, far beyond what one engine batch takes.
+FRAGMENTED = demo.ModelShape("fragmented", 1, 1, page_size=2, kv_heads=1, head_dim=8, kv_bytes=2,
+                             index_head_dim=8, index_bytes=1, num_pages=8192, request_pages=6000)
+
+# What each engine says when it refuses a write, as the backend passes it on.
+ENGINE_WORD = {"nixl": "NIXL_ERR_", "mooncake": "returned -1"}
+
+
+async def test_request_fragmented_into_more_than_5000_runs_moves_every_byte(brokers, engines, request_id):
+    src = await engines.make(brokers.prefill, "prefill", FRAGMENTED)
+    dst = await engines.make(brokers.decode, "decode", FRAGMENTED, fill="canary")
+    rng = np.random.default_rng(5000)
+    src_ids = rng.permutation(FRAGMENTED.num_pages)[: FRAGMENTED.request_pages]
+    dst_ids = rng.permutation(FRAGMENTED.num_pages)[: FRAGMENTED.request_pages]
+    before = dst.segment.array.copy()
+    await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=dst.engine_id, components=ALL, dst_page_ids=dst_ids.tolist(),
+        expiry_ms=120_000), timeout=10)
+    reply = await src.stub.Transfer(bpb.TransferRequest(
+        request_id=request_id, engine_id=src.engine_id, peer_address=dst.broker.peer_address,
+        remote_engine_id=dst.engine_id, components=ALL, src_page_ids=src_ids.tolist()), timeout=120)
+    assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    assert reply.status.runs > 5000 and reply.status.pages == FRAGMENTED.request_pages
+    assert reply.status.bytes == FRAGMENTED.request_bytes()
+    assert_bytes(dst, expected_after(src, dst, before, ALL, src_ids, dst_ids))
+
+
+def _rows(base: int, offsets, length: int) -> np.ndarray:
+    rows = np.zeros((len(offsets), 3), dtype=np.uint64)
+    rows[:, 0] = base + np.asarray(offsets, dtype=np.uint64)
+    rows[:, 1] = length
+    return rows
+
+
+async def refuse_then_write(backend: str) -> dict:
+    """A write the peer's engine refuses, then a good write to the same peer; returns what was seen."""
+    settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
+    sender = create_backend(settings, f"sender-{os.getpid()}")
+    receiver = create_backend(settings, f"receiver-{os.getpid()}")
+    size, length = 1 << 20, 4096
+    src = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    registered = size - length  # the receiver's last page stays outside its registration
+    offsets = np.arange(0, registered, length)
+    good = Descriptors(_rows(src.ctypes.data, offsets, length), _rows(dst.ctypes.data, offsets, length))
+    stray = Descriptors(np.vstack([good.src, _rows(src.ctypes.data, [0], length)]),
+                        np.vstack([good.dst, _rows(dst.ctypes.data, [registered], length)]))
+    seen = {}
+    try:
+        async with asyncio.timeout(60):
+            await asyncio.gather(sender.start(), receiver.start())
+            await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
+            await receiver.register([Region(dst.ctypes.data, registered, 0, gpu=False)])
+            peer = await sender.connect(await receiver.metadata())
+            try:
+                await sender.write(peer, stray, timeout=30)
+                seen["refusal"] = None
+            except Exception as exc:
+                seen["refusal"] = f"{type(exc).__name__}: {exc}"
+            dst[:] = 0
+            await sender.write(peer, good, timeout=30)
+            seen["moved"] = bool(np.array_equal(dst[:registered], src[:registered]))
+            seen["outside_untouched"] = not dst[registered:].any()
+    finally:
+        async with asyncio.timeout(60):
+            await asyncio.gather(sender.close(), receiver.close())
+    return seen
+
+
+# NIXL's UCX teardown crashes at interpreter exit, so the engines live in a child process that leaves
+# with os._exit, as `kvbroker serve` does, and reports what it saw as one JSON line.
+CHILD = ("import asyncio, json, os, sys; from tests.integration.test_backends import refuse_then_write; "
+         "print(json.dumps(asyncio.run(refuse_then_write(sys.argv[1]))), flush=True); os._exit(0)")
+
+
+async def test_engine_refusal_is_transfer_failed_and_the_next_write_still_works(backend):
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, backend, cwd=ROOT,
+                                                 stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(), 120)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0, err.decode(errors="replace")[-3000:]
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    assert seen["refusal"] is not None, "the engine accepted a write outside the peer's registered memory"
+    assert seen["refusal"].startswith("TransferFailed: ") and ENGINE_WORD[backend] in seen["refusal"]
+    assert seen["moved"], "a good write after the refusal did not move every byte"
+    assert seen["outside_untouched"], "a write landed outside the receiver's registered memory"
