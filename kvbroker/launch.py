@@ -80,4 +80,7 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
         await process.wait()
         stderr_task.cancel()
         raise
-    return BrokerProcess(process, ready["listen"], ready["peer_listen"], broker_id, stderr_task, lines)
+    # Keep reading stdout too, so a chatty library can never block the broker on a full pipe.
+    stdout_task = asyncio.create_task(_drain(process.stdout, lines, echo_logs))
+    both = asyncio.ensure_future(asyncio.gather(stderr_task, stdout_task))
+    return BrokerProcess(process, ready["listen"], ready["peer_listen"], broker_id, both, lines)

@@ -39,6 +39,11 @@ class NixlBackend(Backend):
         def create():
             from nixl._api import nixl_agent, nixl_agent_config
 
+            # NIXL logs to stdout through its own handler; route it through ours (stderr, our format).
+            nixl_log = logging.getLogger("nixl")
+            nixl_log.handlers.clear()
+            nixl_log.propagate = True
+            nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
             return nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
 
         self._agent = await self._call(create)

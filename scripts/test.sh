@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up kvbroker with its test tools and runs the whole suite in a loopback-only network
+# namespace. Extra arguments go to pytest. pytest's "no tests collected" (exit 5) is a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh --test
+set +e
+scripts/in-netns.sh .venv/bin/python -m pytest -p no:cacheprovider "$@"
+code=$?
+set -e
+if [[ $code -eq 5 ]]; then
+    echo "test.sh: pytest collected no tests; that is a failure" >&2
+    exit 1
+fi
+exit $code

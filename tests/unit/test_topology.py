@@ -1,0 +1,99 @@
+"""Each topology rule on its own: it refuses what it must, names itself, and lets the rest through."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from kvbroker import topology
+from kvbroker.errors import BrokerError, Code
+from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, EngineLayout, KvDtype, Layout, Role, Topology
+
+BASE = Topology(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0, dp_rank=0,
+                page_size=16, start_layer=0, end_layer=4, kv_dtype=KvDtype.BFLOAT16)
+INDEX = ComponentKind.MINIMAX_INDEX_K
+MAIN = ComponentKind.MAIN_KV
+
+
+def engine(topo=BASE, item_len=64, layers=(2, 3), layout=Layout.FLAT, kinds=(INDEX,)):
+    comps = {}
+    for kind in kinds:
+        roles = (Role.FLAT,) if layout is Layout.FLAT else (Role.K, Role.V)
+        bufs = tuple(BufferLayout(layer, role, 4096 * layer, 4096, item_len) for layer in layers for role in roles)
+        comps[kind] = ComponentLayout(kind, layout, 64, bufs)
+    return EngineLayout("e", topo, comps)
+
+
+def refusal(fn, *args) -> BrokerError:
+    with pytest.raises(BrokerError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_index_with_value_is_unimplemented():
+    error = refusal(topology.reject_index_with_value, ComponentKind.MINIMAX_INDEX_KV)
+    assert error.code is Code.UNIMPLEMENTED and "rule index-with-value" in error.message
+    topology.reject_index_with_value(INDEX)
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_index_k_refuses_pp_above_one_on_either_side(side):
+    pp = dataclasses.replace(BASE, pp_size=2)
+    args = (INDEX, pp, BASE) if side == "src" else (INDEX, BASE, pp)
+    error = refusal(topology.check_no_pipeline_parallel, *args)
+    assert error.code is Code.FAILED_PRECONDITION
+    assert "PP>1 not supported for MiniMax sparse index" in error.message and "rule index-k-pp" in error.message
+
+
+def test_pp_rule_leaves_main_kv_alone():
+    topology.check_no_pipeline_parallel(MAIN, dataclasses.replace(BASE, pp_size=2), BASE)
+
+
+def test_index_k_refuses_heterogeneous_attention_tp():
+    error = refusal(topology.check_homogeneous_attention_tp, INDEX, BASE, dataclasses.replace(BASE, attn_tp_size=4))
+    assert error.code is Code.FAILED_PRECONDITION and "heterogeneous TP" in error.message
+    topology.check_homogeneous_attention_tp(MAIN, BASE, dataclasses.replace(BASE, attn_tp_size=4))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(page_size=32), "page_size differs"), (dict(kv_dtype=KvDtype.FLOAT8_E4M3), "kv_dtype differs")])
+def test_cache_shape_must_match(change, words):
+    error = refusal(topology.check_same_cache_shape, BASE, dataclasses.replace(BASE, **change))
+    assert error.code is Code.FAILED_PRECONDITION and words in error.message and "rule same-shape" in error.message
+
+
+def test_layout_must_match():
+    error = refusal(topology.check_same_component_layout, engine(kinds=(MAIN,)).components[MAIN],
+                    engine(kinds=(MAIN,), layout=Layout.KV_SPLIT).components[MAIN])
+    assert "layout differs" in error.message
+
+
+def test_layer_ids_must_match():
+    error = refusal(topology.check_same_component_layout, engine().components[INDEX],
+                    engine(layers=(2,)).components[INDEX])
+    assert "layer ids differ" in error.message and "[2, 3]" in error.message
+
+
+def test_item_len_must_match():
+    error = refusal(topology.check_same_component_layout, engine().components[INDEX],
+                    engine(item_len=128).components[INDEX])
+    assert "layer 2 FLAT item_len differs (sender 64, receiver 128)" in error.message
+
+
+def test_check_transfer_names_a_missing_component():
+    error = refusal(topology.check_transfer, engine(kinds=(INDEX, MAIN)), engine(), [MAIN])
+    assert "MAIN_KV is not registered by receiver" in error.message
+
+
+def test_check_transfer_accepts_matching_engines():
+    topology.check_transfer(engine(kinds=(INDEX, MAIN)), engine(kinds=(INDEX, MAIN)), [INDEX, MAIN])
+
+
+@pytest.mark.parametrize("n_src, n_dst", [(5, 3), (3, 5), (4, 4), (0, 2)])
+def test_truncation_cuts_to_the_shorter_and_counts(n_src, n_dst):
+    src, dst, dropped = topology.truncate_page_lists(np.arange(n_src), np.arange(10, 10 + n_dst))
+    assert len(src) == len(dst) == min(n_src, n_dst)
+    assert dropped == abs(n_src - n_dst)
+    assert src.tolist() == list(range(min(n_src, n_dst)))
