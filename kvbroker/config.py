@@ -10,7 +10,7 @@ import argparse
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,6 +25,13 @@ class Settings(BaseSettings):
     backend: Literal["nixl", "mooncake"] = Field("nixl", description="transfer engine")
     mooncake_protocol: str = Field("tcp", description="Mooncake transport: tcp, or rdma in clusters")
     mooncake_device: str = Field("", description="Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
+    peer_tls_cert: str = Field("", description="PEM certificate chain of this broker: served on the peer "
+                                              "port and presented to peers (mutual TLS); empty: plaintext")
+    peer_tls_key: str = Field("", description="PEM private key of peer_tls_cert")
+    peer_tls_ca: str = Field("", description="PEM CA bundle: peers must present a certificate it signed, and "
+                                            "peers' servers are verified against it")
+    peer_tls_server_name: str = Field("", description="name to verify in peers' certificates instead of the "
+                                                     "host dialed (when dialing by IP)")
     peer_rpc_timeout_s: float = Field(5.0, gt=0, description="timeout of one broker-to-broker call, seconds")
     transfer_timeout_s: float = Field(60.0, gt=0, description="upper bound of one Transfer, seconds")
     default_grant_expiry_s: float = Field(30.0, gt=0, description="grant lifetime when expiry_ms is 0, seconds")
@@ -36,11 +43,13 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["text", "json"] = Field("text", description="text for terminals, json for containers")
 
-    @property
-    def peer_address(self) -> str:
-        host, _, port = self.peer_listen.rpartition(":")
-        host = self.advertise_host or (host if host not in ("0.0.0.0", "[::]", "") else socket.gethostname())
-        return f"{host}:{port}"
+    @model_validator(mode="after")
+    def _tls_files_come_together(self) -> Settings:
+        if bool(self.peer_tls_cert) != bool(self.peer_tls_key):
+            raise ValueError("peer_tls_cert and peer_tls_key must be given together")
+        if self.peer_tls_ca and not self.peer_tls_cert:
+            raise ValueError("peer_tls_ca needs peer_tls_cert and peer_tls_key (mutual TLS)")
+        return self
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:

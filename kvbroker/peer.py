@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ from kvbroker.model import ComponentKind, State
 from kvbroker.transfers import Grant, TransferStatus
 
 log = logging.getLogger(__name__)
+
+_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
 
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
@@ -119,6 +122,9 @@ class PeerClients:
                 self.forget(address)
             if silent:
                 raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: no answer within {timeout:.3f}s") from None
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE.search(exc.details() or ""):
+                raise BrokerError(Code.PERMISSION_DENIED,
+                                  f"peer broker {address}: TLS authentication failed: {exc.details()}") from None
             raise from_rpc_error(exc, f"peer broker {address}") from None
 
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:

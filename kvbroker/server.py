@@ -37,12 +37,29 @@ class Endpoints:
     peer_address: str  # what peers are told to dial
 
 
-def _bind(server: grpc.aio.Server, address: str) -> str:
+def _read(path: str) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def peer_credentials(s: Settings) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
+    """TLS for the peer port: served with our certificate; with a CA, peers must present one it signed."""
+    if not s.peer_tls_cert:
+        return None, None
+    cert, key, ca = _read(s.peer_tls_cert), _read(s.peer_tls_key), _read(s.peer_tls_ca)
+    server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    client = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return server, client
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> str:
     if address.startswith("unix:"):
         Path(address.removeprefix("unix:").removeprefix("//")).parent.mkdir(parents=True, exist_ok=True)
         server.add_insecure_port(address)
         return address
-    port = server.add_insecure_port(address)
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind {address}")
     host = address.rpartition(":")[0]
@@ -81,15 +98,18 @@ class BrokerServer:
         broker = Broker(s.broker_id, backend, limits)
         await broker.start()
         self.broker = broker
-        self._peers = PeerClients(broker.broker_id, broker.epoch, backend, channel_options=[
-            ("grpc.max_receive_message_length", s.max_message_bytes),
-            ("grpc.max_send_message_length", s.max_message_bytes),
-        ])
+        server_credentials, channel_credentials = peer_credentials(s)
+        channel_options = [("grpc.max_receive_message_length", s.max_message_bytes),
+                           ("grpc.max_send_message_length", s.max_message_bytes)]
+        if s.peer_tls_server_name:
+            channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
+        self._peers = PeerClients(broker.broker_id, broker.epoch, backend, channel_options=channel_options,
+                                  credentials=channel_credentials)
         broker.peers = self._peers
 
         peer_server = self._grpc_server(PEER_SERVICE)
         peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker), peer_server)
-        peer_listen = _bind(peer_server, s.peer_listen)
+        peer_listen = _bind(peer_server, s.peer_listen, server_credentials)
         host = peer_listen.rpartition(":")[0]
         if s.advertise_host or host in ("0.0.0.0", "[::]"):
             peer_address = f"{s.advertise_host or s.broker_id}:{peer_listen.rpartition(':')[2]}"
