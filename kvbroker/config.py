@@ -20,7 +20,8 @@ class Settings(BaseSettings):
     listen: str = Field("unix:/run/kvbroker/kvbroker.sock",
                         description="local API address for the inference server: host:port or unix:/path")
     peer_listen: str = Field("0.0.0.0:50052", description="peer API address for other brokers: host:port")
-    advertise_host: str = Field("", description="host peers reach this broker by; default: the hostname")
+    advertise_host: str = Field("", description="host peers reach this broker by; default: the peer listener's "
+                                              "host, or broker_id when it listens on all interfaces")
     broker_id: str = Field(default_factory=socket.gethostname, description="this broker's id in peer handshakes")
     backend: Literal["nixl", "mooncake"] = Field("nixl", description="transfer engine")
     mooncake_protocol: str = Field("tcp", description="Mooncake transport: tcp, or rdma in clusters")
@@ -42,6 +43,15 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(64 << 20, gt=0, description="largest gRPC message accepted, bytes")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["text", "json"] = Field("text", description="text for terminals, json for containers")
+
+    @property
+    def advertised_host(self) -> str:
+        """The host peers reach this broker by: advertise_host, else the peer listener's host, else (when
+        listening on every interface) the broker id, which is the pod's hostname by default."""
+        host = self.peer_listen.rpartition(":")[0]
+        if self.advertise_host or host in ("", "0.0.0.0", "[::]"):
+            return self.advertise_host or self.broker_id
+        return host
 
     @model_validator(mode="after")
     def _tls_files_come_together(self) -> Settings:

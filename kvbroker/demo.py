@@ -136,15 +136,18 @@ def register_request(engine_id: str, shape: ModelShape, segment: SharedSegment,
 def fragmented_pages(rng: np.random.Generator, num_pages: int, count: int, max_run: int = 16) -> np.ndarray:
     """`count` distinct page ids made of runs of 1..max_run consecutive pages, in shuffled order."""
     blocks = rng.permutation(num_pages // max_run)
+    if count > blocks.size * max_run:
+        raise ValueError(f"cannot place {count} fragmented pages in a pool of {num_pages}")
+    lengths = rng.integers(1, max_run + 1, size=blocks.size)
+    while lengths.sum() < count:  # lengthen runs until the blocks hold the request
+        lengths = np.minimum(max_run, lengths + 1)
     out, taken = [], 0
-    for block in blocks:
-        n = min(int(rng.integers(1, max_run + 1)), count - taken)
+    for block, n in zip(blocks.tolist(), lengths.tolist()):
+        n = min(n, count - taken)
         out.append(np.arange(block * max_run, block * max_run + n))
         taken += n
         if taken == count:
             break
-    if taken < count:
-        raise ValueError(f"cannot place {count} fragmented pages in a pool of {num_pages}")
     return np.concatenate(out).astype(np.int64)
 
 

@@ -110,11 +110,7 @@ class BrokerServer:
         peer_server = self._grpc_server(PEER_SERVICE)
         peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker), peer_server)
         peer_listen = _bind(peer_server, s.peer_listen, server_credentials)
-        host = peer_listen.rpartition(":")[0]
-        if s.advertise_host or host in ("0.0.0.0", "[::]"):
-            peer_address = f"{s.advertise_host or s.broker_id}:{peer_listen.rpartition(':')[2]}"
-        else:
-            peer_address = peer_listen
+        peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
 
         local_server = self._grpc_server(BROKER_SERVICE)
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(

@@ -37,7 +37,7 @@ class MooncakeBackend(Backend):
 
     def __init__(self, agent_name: str, settings: Settings) -> None:
         self._agent_name = agent_name
-        self._host = advertised_host(settings)
+        self._host = settings.advertised_host
         self._protocol = settings.mooncake_protocol
         self._device = settings.mooncake_device
         self._engine = None
@@ -158,17 +158,6 @@ class MooncakeBackend(Backend):
         self._windows.clear()
         self._writers.shutdown(wait=True)
         self._control.shutdown(wait=True)
-
-
-def advertised_host(settings: Settings) -> str:
-    """The host peers reach this broker by, as server.py advertises the peer port.
-
-    advertise_host if set, else the peer listener's host, else (listening on every interface) the broker id.
-    """
-    host = settings.peer_listen.rpartition(":")[0]
-    if settings.advertise_host or host in ("", "0.0.0.0", "[::]"):
-        return settings.advertise_host or settings.broker_id
-    return host
 
 
 def _write_batch(engine, peer: str, src: np.ndarray, dst: np.ndarray, start: int, total: int) -> None:

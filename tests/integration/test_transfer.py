@@ -54,9 +54,11 @@ async def roundtrip(brokers, engines, request_id, components, *, layout="KV_SPLI
     dst_ids = rng.permutation(SMALL.num_pages)[: SMALL.request_pages]
     before = dst.segment.array.copy()
     await grant(dst, request_id, dst_ids, components)
-    watcher = asyncio.create_task(states(dst, request_id))
+    watch = dst.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id),
+                                   timeout=30)
+    seen = [(await watch.read()).status]  # subscribed (and PENDING seen) before the transfer starts
     reply = await transfer(src, dst, request_id, src_ids, components)
-    seen = await asyncio.wait_for(watcher, 30)
+    seen += [u.status async for u in watch]
     assert_bytes(dst, expected_after(src, dst, before, components, src_ids, dst_ids))
     return reply.status, seen
 
