@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from kvbroker.model import ComponentKind, EngineLayout, EngineSpec, State, Trans
 from kvbroker.planner import build_descriptors, plan_runs
 from kvbroker.registry import Engine, Registry, check_identifier
 from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+
+if TYPE_CHECKING:
+    from kvbroker.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -105,14 +108,15 @@ def check_components(components: Sequence[ComponentKind], field_name: str) -> tu
 
 
 class Broker:
-    def __init__(self, broker_id: str, backend: Backend, limits: Limits, peers: PeerLink | None = None) -> None:
+    def __init__(self, broker_id: str, backend: Backend, limits: Limits, peers: PeerLink | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.broker_id = broker_id
         self.epoch = time.time_ns() ^ (os.getpid() << 20)
         self.backend = backend
         self.limits = limits
         self.peers = peers
-        self.registry = Registry(limits.max_pages_per_request)
-        self.table = TransferTable()
+        self.registry = Registry(limits.max_pages_per_request, observer=metrics)
+        self.table = TransferTable(observer=metrics)  # it also logs each request's end
         self.accepting = True
         self._register_lock = asyncio.Lock()
 
@@ -218,7 +222,6 @@ class Broker:
             self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)
         else:
             self.table.fail(record, code or Code.ABORTED, f"sender {claimant!r} failed: {reason}")
-        self._log(record)
         return record.state
 
     # -- sender side ----------------------------------------------------------------------------
@@ -241,7 +244,7 @@ class Broker:
             check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
                            self.limits.max_pages_per_request, unique=True)
         budget = self.limits.transfer_timeout_s if timeout is None else min(timeout, self.limits.transfer_timeout_s)
-        record = self.table.add_send(cmd.engine_id, cmd.request_id, kinds)
+        record = self.table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
         record.task = asyncio.create_task(self._send(record, engine, cmd, budget),
                                           name=f"transfer {cmd.engine_id}/{cmd.request_id}")
         await asyncio.shield(record.task)
@@ -307,7 +310,6 @@ class Broker:
             record.task = None
             if record.state is State.FAILED and reached_peer:
                 await self._tell_peer_failed(cmd, token, record)
-            self._log(record, peer=cmd.peer_address)
 
     async def _apply_rules(self, engine: Engine, session: PeerSession, cmd: TransferCommand,
                            kinds: tuple[ComponentKind, ...], left) -> PeerSession:
@@ -354,13 +356,3 @@ class Broker:
             await asyncio.wait([task], timeout=self.limits.peer_rpc_timeout_s * 2)
             return 1
         return int(self.table.fail(record, code, reason))
-
-    def _log(self, record: TransferRecord, peer: str = "") -> None:
-        s = record.snapshot()
-        log.info(
-            "transfer %s", s.state.name.lower(),
-            extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
-                   "peer": peer, "components": [c.name for c in s.components], "pages": s.pages, "runs": s.runs,
-                   "bytes": s.bytes, "duration_us": s.duration_us, "outcome": s.state.name,
-                   "code": Code(s.code).name if s.code else "", "reason": s.reason},
-        )

@@ -20,6 +20,11 @@ class Code(enum.IntEnum):
     UNAVAILABLE = 14
 
 
+def code_name(code: int) -> str:
+    """The name of a status code number; a peer may report one this broker has no member for."""
+    return Code(code).name if code in Code._value2member_map_ else str(code)
+
+
 class BrokerError(Exception):
     """A refusal or failure with the code the caller sees and a message naming the field or rule."""
 

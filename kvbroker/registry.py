@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvbroker.errors import BrokerError, Code, invalid, not_found
 from kvbroker.memory import MappedSegment, map_shared_memory
@@ -139,10 +140,17 @@ class _Span:
     where: str
 
 
+class RegistryObserver(Protocol):
+    def engine_added(self, engine: Engine) -> None: ...
+
+    def engine_removed(self, engine: Engine) -> None: ...
+
+
 class Registry:
     """The engines of one broker. Mutated only by the Broker, on the event loop."""
 
-    def __init__(self, max_pages: int) -> None:
+    def __init__(self, max_pages: int, observer: RegistryObserver | None = None) -> None:
+        self._observer = observer
         self._engines: dict[str, Engine] = {}
         self._generations = itertools.count(1)
         self._max_pages = max_pages
@@ -207,10 +215,14 @@ class Registry:
         if engine.engine_id in self._engines:
             raise BrokerError(Code.ALREADY_EXISTS, f"engine_id: engine {engine.engine_id!r} is already registered")
         self._engines[engine.engine_id] = engine
+        if self._observer is not None:
+            self._observer.engine_added(engine)
 
     def remove(self, engine_id: str) -> Engine:
         engine = self.get(engine_id)
         del self._engines[engine_id]
+        if self._observer is not None:
+            self._observer.engine_removed(engine)
         return engine
 
     @staticmethod

@@ -2,22 +2,28 @@
 
 A record is a request as one broker sees it: the receiver's grant or the sender's transfer, keyed
 by (engine_id, request_id). `TransferTable` owns every record, every expiry timer and every
-watcher queue; the Broker drives state changes, servicers read snapshots and watch.
+watcher queue; the Broker drives state changes, servicers read snapshots and watch. Every state
+change passes through `_add`, `start` or `_end`: there the table tells its observer (metrics), and
+`_end` writes the one log line of each request's end, whatever ended it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, not_found
+from kvbroker.errors import BrokerError, Code, code_name, not_found
 from kvbroker.model import ComponentKind, State, TransferRole
+
+log = logging.getLogger("kvbroker.transfer")
 
 
 @dataclass(frozen=True)
@@ -59,12 +65,13 @@ class TransferRecord:
     runs: int = 0
     bytes: int = 0
     truncated_pages: int = 0
+    transferring_at: float | None = None
     finished: float | None = None
+    peer: str = ""  # the other broker: the address a sender dials, the broker id that claimed a grant
     # receiver side
     dst_page_ids: np.ndarray | None = None
     expires_at: float | None = None
     claim_token: str = ""
-    claimed_by: str = ""
     # ownership: timers and the sender's task are cancelled when the record ends
     timer: asyncio.TimerHandle | None = None
     task: asyncio.Task | None = None
@@ -83,11 +90,17 @@ class TransferRecord:
         )
 
 
+class TransferObserver(Protocol):
+    def transfer_changed(self, record: TransferRecord) -> None:
+        """After each state change of `record`: accepted (PENDING), TRANSFERRING, SUCCEEDED or FAILED."""
+
+
 class TransferTable:
     """Every live and recently ended request of one broker. Used on the event loop only."""
 
     def __init__(self, retention_s: float = 300.0, max_ended: int = 10000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, observer: TransferObserver | None = None) -> None:
+        self._observer = observer
         self._records: dict[tuple[str, str], TransferRecord] = {}
         self._ended: dict[tuple[str, str], None] = {}  # insertion-ordered, oldest first
         self._retention_s = retention_s
@@ -118,6 +131,8 @@ class TransferTable:
             self._ended.pop(old.key, None)
         self._records[record.key] = record
         self.counts[State.PENDING.name] += 1
+        if self._observer is not None:
+            self._observer.transfer_changed(record)
         return record
 
     def add_grant(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
@@ -128,18 +143,23 @@ class TransferTable:
         record.timer = asyncio.get_running_loop().call_later(expiry_s, self._expire, record)
         return record
 
-    def add_send(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...]) -> TransferRecord:
-        return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock()))
+    def add_send(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
+                 peer: str = "") -> TransferRecord:
+        return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock(),
+                                        peer=peer))
 
     # -- state changes ------------------------------------------------------------------------
     def _publish(self, record: TransferRecord) -> None:
         status = record.snapshot()
         for queue in record.watchers:
             queue.put_nowait(status)
+        if self._observer is not None:
+            self._observer.transfer_changed(record)
 
     def start(self, record: TransferRecord) -> None:
         if record.state is State.PENDING:
             record.state = State.TRANSFERRING
+            record.transferring_at = self._clock()
             self.counts[State.TRANSFERRING.name] += 1
             self._publish(record)
 
@@ -153,8 +173,21 @@ class TransferTable:
         record.dst_page_ids = None if state is State.SUCCEEDED else record.dst_page_ids
         record.done.set()
         self._publish(record)
+        self._log_end(record)
         self._ended[record.key] = None
         self._trim()
+
+    @staticmethod
+    def _log_end(record: TransferRecord) -> None:
+        s = record.snapshot()
+        log.info(
+            "transfer %s", s.state.name.lower(),
+            extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
+                   "peer": record.peer, "components": [c.name for c in s.components], "pages": s.pages,
+                   "runs": s.runs, "bytes": s.bytes, "truncated_pages": s.truncated_pages,
+                   "duration_us": s.duration_us, "outcome": s.state.name,
+                   "code": code_name(s.code) if s.code else "", "reason": s.reason},
+        )
 
     def succeed(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int) -> bool:
         if record.state.terminal:
@@ -221,7 +254,7 @@ class TransferTable:
                 )
             granted = dst_page_ids
         record.claim_token = secrets.token_hex(16)
-        record.claimed_by = claimant
+        record.peer = claimant
         self.start(record)
         return Grant(granted, record.claim_token, max(0.0, record.expires_at - self._clock()))
 

@@ -1,0 +1,129 @@
+"""Prometheus metrics of one broker: its own registry, fed by three hooks, served over HTTP.
+
+`Metrics` is built by BrokerServer and handed down. The Registry tells it of engines added and
+removed, the TransferTable of every record's state change, PeerClients of every handshake; all three
+call on the event loop. `serve` starts the HTTP endpoint on a daemon thread, which reads the
+(thread-safe) metric values when scraped; `close` stops it. Every metric is listed in the README.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvbroker.errors import code_name
+from kvbroker.model import ComponentKind, State
+from kvbroker.registry import Engine
+from kvbroker.transfers import TransferRecord
+
+# From one small page on loopback (well under a millisecond) to the default transfer timeout.
+SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """host:port or [v6]:port → (host, port); the host must be given, port 0 picks a free port."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"metrics_listen: {address!r} is not host:port")
+    return host, int(port)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.transfers_started = Counter(
+            "kvbroker_transfers_started", "Requests accepted (grants and Transfer calls), per component",
+            ["role", "component"], registry=r)
+        self.transfers_succeeded = Counter(
+            "kvbroker_transfers_succeeded", "Requests that ended SUCCEEDED, per component",
+            ["role", "component"], registry=r)
+        self.transfers_failed = Counter(
+            "kvbroker_transfers_failed", "Requests that ended FAILED, per component and status code",
+            ["role", "component", "code"], registry=r)
+        self.bytes = Counter("kvbroker_transferred_bytes", "Bytes moved by succeeded requests",
+                             ["role", "component"], registry=r)
+        self.pages = Counter("kvbroker_transferred_pages", "Pages moved by succeeded requests (per layer buffer)",
+                             ["role"], registry=r)
+        self.runs = Counter("kvbroker_transferred_runs", "Runs moved by succeeded requests (per layer buffer)",
+                            ["role"], registry=r)
+        self.truncated = Counter("kvbroker_truncated_pages", "Pages dropped because page lists differed in length",
+                                 ["role"], registry=r)
+        self.duration = Histogram("kvbroker_transfer_duration_seconds",
+                                  "Time from accepting a request to its end", ["role", "outcome"],
+                                  buckets=SECONDS, registry=r)
+        self.queue_wait = Histogram("kvbroker_transfer_queue_wait_seconds",
+                                    "Time from accepting a request to TRANSFERRING", ["role"],
+                                    buckets=SECONDS, registry=r)
+        self.engines = Gauge("kvbroker_engines", "Engines registered", registry=r)
+        self.registered_bytes = Gauge("kvbroker_registered_bytes", "Bytes of registered layer buffers",
+                                      ["component"], registry=r)
+        self.handshakes = Counter("kvbroker_peer_handshakes", "Handshakes completed with peer brokers", registry=r)
+        self.epoch_changes = Counter("kvbroker_peer_epoch_changes",
+                                     "Peer restarts noticed: a known peer answered a handshake with a new epoch",
+                                     registry=r)
+        self._page_bytes: dict[str, dict[ComponentKind, int]] = {}  # engine → bytes of one page per component
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+
+    # -- hooks: called on the event loop --------------------------------------------------------
+    def engine_added(self, engine: Engine) -> None:
+        self.engines.inc()
+        self._page_bytes[engine.engine_id] = {}
+        for kind, component in engine.layout.components.items():
+            self.registered_bytes.labels(kind.name).inc(sum(b.length for b in component.buffers))
+            self._page_bytes[engine.engine_id][kind] = sum(b.item_len for b in component.buffers)
+
+    def engine_removed(self, engine: Engine) -> None:
+        self.engines.dec()
+        self._page_bytes.pop(engine.engine_id, None)
+        for kind, component in engine.layout.components.items():
+            self.registered_bytes.labels(kind.name).dec(sum(b.length for b in component.buffers))
+
+    def transfer_changed(self, record: TransferRecord) -> None:
+        role = record.role.name.lower()
+        if record.state is State.PENDING:
+            for kind in record.components:
+                self.transfers_started.labels(role, kind.name).inc()
+        elif record.state is State.TRANSFERRING:
+            self.queue_wait.labels(role).observe(record.transferring_at - record.started)
+        elif record.state is State.SUCCEEDED:
+            page_bytes = self._page_bytes.get(record.engine_id, {})
+            for kind in record.components:
+                self.transfers_succeeded.labels(role, kind.name).inc()
+                self.bytes.labels(role, kind.name).inc(record.pages * page_bytes.get(kind, 0))
+            self.pages.labels(role).inc(record.pages)
+            self.runs.labels(role).inc(record.runs)
+            self.truncated.labels(role).inc(record.truncated_pages)
+        else:
+            code = code_name(record.code)
+            for kind in record.components:
+                self.transfers_failed.labels(role, kind.name, code).inc()
+        if record.state.terminal:
+            self.duration.labels(role, record.state.name.lower()).observe(record.finished - record.started)
+
+    def peer_handshake(self, *, epoch_changed: bool) -> None:
+        self.handshakes.inc()
+        if epoch_changed:
+            self.epoch_changes.inc()
+
+    # -- the HTTP endpoint ----------------------------------------------------------------------
+    def serve(self, address: str) -> str:
+        """Serve /metrics on `address` (host:port) from a daemon thread; returns host:port as bound."""
+        host, port = split_address(address)
+        server, thread = start_http_server(port, host, registry=self.registry)
+        self._http = (server, thread)
+        bound = server.server_address[1]
+        return f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+
+    async def close(self) -> None:
+        if self._http is None:
+            return
+        server, thread = self._http
+        self._http = None
+        await asyncio.to_thread(server.shutdown)  # waits for serve_forever's poll: not on the loop
+        server.server_close()
+        await asyncio.to_thread(thread.join, 5.0)
