@@ -58,7 +58,8 @@ async def roundtrip(brokers, engines, request_id, components, *, layout="KV_SPLI
                                    timeout=30)
     seen = [(await watch.read()).status]  # subscribed (and PENDING seen) before the transfer starts
     reply = await transfer(src, dst, request_id, src_ids, components)
-    seen += [u.status async for u in watch]
+    while (update := await watch.read()) is not grpc.aio.EOF:
+        seen.append(update.status)
     assert_bytes(dst, expected_after(src, dst, before, components, src_ids, dst_ids))
     return reply.status, seen
 
