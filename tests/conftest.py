@@ -121,7 +121,7 @@ class Engines:
 
     async def close(self) -> None:
         for engine in self._made:
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # its broker may be gone
                 await engine.stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=engine.engine_id),
                                                    timeout=30)
             engine.segment.close()
