@@ -30,6 +30,12 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 CANARY = 0xA5
 BROKER_FLAGS = ("--backend", "nixl", "--log-level", "WARNING")
+CALL_TIMEOUT_S = 30.0  # the clients' default deadline: generous, the machine may be busy with other suites
+
+
+async def connect(target: str, **kwargs) -> BrokerClient:
+    kwargs.setdefault("timeout", CALL_TIMEOUT_S)
+    return await BrokerClient.connect(target, **kwargs)
 
 
 @dataclass
@@ -48,14 +54,14 @@ async def client_brokers() -> AsyncIterator[BrokerPair]:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def prefill_client(client_brokers: BrokerPair) -> AsyncIterator[BrokerClient]:
-    client = await BrokerClient.connect(client_brokers.prefill.listen)
+    client = await connect(client_brokers.prefill.listen)
     yield client
     await _release(client)
 
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def decode_client(client_brokers: BrokerPair) -> AsyncIterator[BrokerClient]:
-    client = await BrokerClient.connect(client_brokers.decode.listen)
+    client = await connect(client_brokers.decode.listen)
     yield client
     await _release(client)
 

@@ -209,7 +209,10 @@ class BrokerClient:
 
     async def watch(self, engine_id: str, request_id: str, *,
                     timeout: float | None = None) -> AsyncIterator[TransferStatus]:
-        """The request's current state, then each change; ends after a terminal state."""
+        """The request's current state, then each change; ends after a terminal state.
+
+        A stream the broker cuts (it stopped before the request ended) raises Unavailable.
+        """
         deadline = self._deadline(timeout, self.transfer_timeout)
         call = self._stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id),
                                         timeout=self._remaining(deadline))
@@ -217,6 +220,10 @@ class BrokerClient:
             async for reply in call:
                 yield TransferStatus.from_proto(reply.status)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.CANCELLED:
+                # Our own cancellation arrives as CancelledError; a CANCELLED status is the server
+                # cancelling the stream as it shuts down.
+                raise Unavailable(f"the broker cut the watch of request {request_id!r}: {exc.details()}") from None
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()
