@@ -215,7 +215,7 @@ class Broker:
             raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
         if record.state.terminal:
             return record.state
-        if claim_token != record.claim_token:
+        if claim_token != record.claim_token or not claim_token:  # an empty token proves no claim
             if record.state is not State.PENDING or succeeded:
                 raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
         if succeeded:
@@ -245,7 +245,8 @@ class Broker:
                            self.limits.max_pages_per_request, unique=True)
         budget = self.limits.transfer_timeout_s if timeout is None else min(timeout, self.limits.transfer_timeout_s)
         record = self.table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
-        record.task = asyncio.create_task(self._send(record, engine, cmd, budget),
+        caller_bound = timeout is not None and timeout <= self.limits.transfer_timeout_s
+        record.task = asyncio.create_task(self._send(record, engine, cmd, budget, caller_bound),
                                           name=f"transfer {cmd.engine_id}/{cmd.request_id}")
         await asyncio.shield(record.task)
         status = record.snapshot()
@@ -253,7 +254,10 @@ class Broker:
             raise BrokerError(Code(status.code), status.reason)
         return status
 
-    async def _send(self, record: TransferRecord, engine: Engine, cmd: TransferCommand, budget: float) -> None:
+    async def _send(self, record: TransferRecord, engine: Engine, cmd: TransferCommand, budget: float,
+                    caller_bound: bool) -> None:
+        """Handshake, rules, claim, plan, write, tell the receiver. `caller_bound`: the budget is the
+        caller's deadline (its expiry is DEADLINE_EXCEEDED), not the broker's transfer_timeout_s."""
         assert self.peers is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
@@ -286,8 +290,9 @@ class Broker:
                     await self.backend.write(session.peer_handle, descriptors, write_budget)
                 except TransferFailed as exc:
                     raise BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}") from exc
-                except TimeoutError as exc:
-                    raise BrokerError(Code.DEADLINE_EXCEEDED, f"transfer engine {self.backend.name}: {exc}") from exc
+                except TimeoutError as exc:  # the caller's deadline, or an engine that stopped making progress
+                    code = Code.DEADLINE_EXCEEDED if caller_bound and left() <= 0.01 else Code.ABORTED
+                    raise BrokerError(code, f"transfer engine {self.backend.name}: {exc}") from exc
                 record.pages, record.runs, record.bytes, record.truncated_pages = (
                     runs.pages, runs.count, descriptors.nbytes, truncated)
                 state = await self.peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, token,
@@ -298,7 +303,8 @@ class Broker:
                 self.table.succeed(record, pages=runs.pages, runs=runs.count, nbytes=descriptors.nbytes,
                                    truncated=truncated)
         except TimeoutError:
-            self.table.fail(record, Code.DEADLINE_EXCEEDED, f"transfer did not complete within {budget:.3f}s")
+            self.table.fail(record, Code.DEADLINE_EXCEEDED if caller_bound else Code.UNAVAILABLE,
+                            f"transfer did not complete within {budget:.3f}s")
         except BrokerError as exc:
             self.table.fail(record, exc.code, exc.message)
         except asyncio.CancelledError:
