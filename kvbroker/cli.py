@@ -1,8 +1,9 @@
-"""Command line: `kvbroker serve | demo`.
+"""Command line: `kvbroker serve | demo | bench`.
 
 serve: runs one broker until SIGTERM/SIGINT (the first drains, a second forces an exit); prints
 one JSON line on stdout when both listeners are bound, with their resolved addresses.
 demo: two brokers in subprocesses, one MiniMax-M3-shaped request, every byte verified.
+bench: the benchmark suite (kvbroker/bench.py): a table on the terminal, JSON with --json / --out.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    bench_cmd = commands.add_parser("bench", help="measure data and control plane, planner, registration")
+    from kvbroker import bench
+
+    bench.add_arguments(bench_cmd)
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -85,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
         logs.configure("WARNING", "text")
         return _run(demo.run(args.preset, args.backend, args.seed, args.json))
+    if args.command == "bench":
+        logs.configure("WARNING", "text")
+        return _run(bench.run(args))
     return 2
 
 
