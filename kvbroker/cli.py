@@ -1,8 +1,9 @@
-"""Command line: `kvbroker serve | demo | bench`.
+"""Command line: `kvbroker serve | demo | bench | status`.
 
 serve: runs one broker until SIGTERM/SIGINT (the first drains, a second forces an exit); prints
 one JSON line on stdout when both listeners are bound, with their resolved addresses.
 demo: two brokers in subprocesses, one MiniMax-M3-shaped request, every byte verified.
+status: a running broker's engines, peers and counters (kvbroker/status.py).
 bench: the benchmark suite (kvbroker/bench.py): a table on the terminal, JSON with --json / --out.
 """
 
@@ -49,8 +50,8 @@ async def serve(settings: Settings) -> int:
         await server.shutdown(0)
         return 1
     print(json.dumps({"event": "ready", "listen": endpoints.listen, "peer_listen": endpoints.peer_listen,
-                      "peer_address": endpoints.peer_address, "broker_id": settings.broker_id,
-                      "pid": os.getpid()}), flush=True)
+                      "peer_address": endpoints.peer_address, "metrics_listen": endpoints.metrics_listen,
+                      "broker_id": settings.broker_id, "pid": os.getpid()}), flush=True)
     await stop.wait()
     await server.shutdown()
     return 0
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    from kvbroker import status
+
+    status.add_arguments(commands.add_parser("status", help="show a running broker's engines, peers and counters"))
     bench_cmd = commands.add_parser("bench", help="measure data and control plane, planner, registration")
     from kvbroker import bench
 
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         logs.configure("WARNING", "text")
         return _run(bench.run(args))
+    if args.command == "status":
+        return status.run(args)
     return 2
 
 

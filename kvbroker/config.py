@@ -20,6 +20,8 @@ class Settings(BaseSettings):
     listen: str = Field("unix:/run/kvbroker/kvbroker.sock",
                         description="local API address for the inference server: host:port or unix:/path")
     peer_listen: str = Field("0.0.0.0:50052", description="peer API address for other brokers: host:port")
+    metrics_listen: str = Field("", description="Prometheus metrics address (HTTP): host:port, port 0 picks a "
+                                                "free one; empty: no metrics endpoint")
     advertise_host: str = Field("", description="host peers reach this broker by; default: the peer listener's "
                                               "host, or broker_id when it listens on all interfaces")
     broker_id: str = Field(default_factory=socket.gethostname, description="this broker's id in peer handshakes")
@@ -42,7 +44,8 @@ class Settings(BaseSettings):
     max_pages_per_request: int = Field(1 << 20, gt=0, description="page ids per request and pages per buffer")
     max_message_bytes: int = Field(64 << 20, gt=0, description="largest gRPC message accepted, bytes")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
-    log_format: Literal["text", "json"] = Field("text", description="text for terminals, json for containers")
+    log_format: Literal["auto", "text", "json"] = Field(
+        "auto", description="json (one object per line) or text; auto: text when stderr is a terminal, else json")
 
     @property
     def advertised_host(self) -> str:

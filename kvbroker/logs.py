@@ -35,6 +35,9 @@ class TextFormatter(logging.Formatter):
 
 
 def configure(level: str, fmt: str) -> None:
+    """Log to stderr at `level`; `fmt` is json, text, or auto (text on a terminal, json otherwise)."""
+    if fmt == "auto":
+        fmt = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()

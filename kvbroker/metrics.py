@@ -66,6 +66,14 @@ class Metrics:
         self.epoch_changes = Counter("kvbroker_peer_epoch_changes",
                                      "Peer restarts noticed: a known peer answered a handshake with a new epoch",
                                      registry=r)
+        for kind in (ComponentKind.MAIN_KV, ComponentKind.MINIMAX_INDEX_K):  # zeros before the first request
+            self.registered_bytes.labels(kind.name)
+            for role in ("sender", "receiver"):
+                for counter in (self.transfers_started, self.transfers_succeeded, self.bytes):
+                    counter.labels(role, kind.name)
+        for role in ("sender", "receiver"):
+            for counter in (self.pages, self.runs, self.truncated):
+                counter.labels(role)
         self._page_bytes: dict[str, dict[ComponentKind, int]] = {}  # engine → bytes of one page per component
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 

@@ -22,6 +22,7 @@ from kvbroker.backends.base import Backend
 from kvbroker.broker import Broker, ClaimResult, PeerSession
 from kvbroker.edge import from_rpc_error, translate_errors
 from kvbroker.errors import BrokerError, Code
+from kvbroker.metrics import Metrics
 from kvbroker.model import ComponentKind, State
 from kvbroker.transfers import Grant, TransferStatus
 
@@ -81,7 +82,8 @@ class PeerClients:
 
     def __init__(self, broker_id: str, epoch: int, backend: Backend, *,
                  channel_options: Sequence[tuple[str, object]] = (),
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None) -> None:
+        self._metrics = metrics
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
@@ -154,12 +156,15 @@ class PeerClients:
         session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation,
                               convert.engine_layout_in(reply.engine), handle)
         record = self.records.setdefault(address, PeerRecord(address))
-        if record.epoch and record.epoch != reply.epoch:
+        epoch_changed = bool(record.epoch) and record.epoch != reply.epoch
+        if epoch_changed:
             log.info("peer %s restarted (epoch %d -> %d)", address, record.epoch, reply.epoch)
             for key in [k for k in self._sessions if k[0] == address]:
                 del self._sessions[key]
         record.broker_id, record.epoch = reply.broker_id, reply.epoch
         record.handshakes += 1
+        if self._metrics is not None:
+            self._metrics.peer_handshake(epoch_changed=epoch_changed)
         self._sessions[(address, engine_id)] = session
         return session
 

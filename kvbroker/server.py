@@ -1,8 +1,9 @@
 """Assembles and runs one broker: startup() → wait → shutdown(), built from one Settings object.
 
 startup: backend, Broker, both gRPC servers (local API and peer API, each with health and
-reflection), listeners bound, health SERVING. shutdown: NOT_SERVING at once, drain in-flight
-transfers within the grace period, stop the servers, release engines and the backend.
+reflection), listeners bound, the metrics endpoint if configured, health SERVING. shutdown:
+NOT_SERVING at once, drain in-flight transfers within the grace period, stop the servers, release
+engines and the backend, stop the metrics endpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer
 from kvbroker.backends import create_backend
 from kvbroker.broker import Broker, Limits
 from kvbroker.config import Settings
+from kvbroker.metrics import Metrics
 from kvbroker.peer import PeerClients, PeerServicer
 from kvbroker.service import BrokerServicer
 
@@ -35,6 +37,7 @@ class Endpoints:
     listen: str  # the local API as bound (port 0 resolved)
     peer_listen: str
     peer_address: str  # what peers are told to dial
+    metrics_listen: str = ""  # the metrics endpoint as bound; empty when off
 
 
 def _read(path: str) -> bytes | None:
@@ -74,6 +77,7 @@ class BrokerServer:
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._peers: PeerClients | None = None
+        self.metrics = Metrics()
 
     def _grpc_server(self, service_name: str) -> grpc.aio.Server:
         limit = self.settings.max_message_bytes
@@ -95,7 +99,7 @@ class BrokerServer:
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
         limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
                         s.transfer_timeout_s, s.peer_rpc_timeout_s)
-        broker = Broker(s.broker_id, backend, limits)
+        broker = Broker(s.broker_id, backend, limits, metrics=self.metrics)
         await broker.start()
         self.broker = broker
         server_credentials, channel_credentials = peer_credentials(s)
@@ -104,7 +108,7 @@ class BrokerServer:
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
         self._peers = PeerClients(broker.broker_id, broker.epoch, backend, channel_options=channel_options,
-                                  credentials=channel_credentials)
+                                  credentials=channel_credentials, metrics=self.metrics)
         broker.peers = self._peers
 
         peer_server = self._grpc_server(PEER_SERVICE)
@@ -121,12 +125,13 @@ class BrokerServer:
             await server.start()
         if listen.startswith("unix:"):
             os.chmod(listen.removeprefix("unix:").removeprefix("//"), 0o660)
+        metrics_listen = self.metrics.serve(s.metrics_listen) if s.metrics_listen else ""
         for servicer, name in zip(self._health, (PEER_SERVICE, BROKER_SERVICE)):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.endpoints = Endpoints(listen, peer_listen, peer_address)
+        self.endpoints = Endpoints(listen, peer_listen, peer_address, metrics_listen)
         log.info("broker serving", extra={"listen": listen, "peer_listen": peer_listen, "backend": backend.name,
-                                          "broker_id": broker.broker_id})
+                                          "broker_id": broker.broker_id, "metrics_listen": metrics_listen})
         return self.endpoints
 
     async def shutdown(self, grace_s: float | None = None) -> None:
@@ -140,4 +145,5 @@ class BrokerServer:
             await self._peers.close()
         if self.broker is not None:
             await self.broker.close()
+        await self.metrics.close()
         log.info("broker stopped")
