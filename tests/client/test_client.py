@@ -379,3 +379,14 @@ async def test_wait_on_a_stopping_broker_raises_unavailable(brokers_of_test, poo
     assert (last.state, last.code) == (TransferState.FAILED, grpc.StatusCode.UNAVAILABLE)
     assert "shut down" in last.reason
     assert_raised(info, Unavailable, grpc.StatusCode.UNAVAILABLE)  # the stream's end, or the broker's
+
+
+async def test_unregistering_an_engine_the_restart_released_returns_zero(brokers_of_test, pools):
+    broker = await brokers_of_test.start()
+    async with await connect(broker.listen) as client:
+        dst = pool_engine(pools, unique("decode"), fill="canary")
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        await brokers_of_test.restart(broker)
+        assert await client.unregister_engine(dst.engine_id) == 0
+        assert (await client.info()).engine_ids == ()
+    assert client.restarts_seen == 1

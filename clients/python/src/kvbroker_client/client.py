@@ -32,6 +32,7 @@ from kvbroker_client.errors import (
     BrokerError,
     DeadlineExceeded,
     InvalidArgument,
+    NotFound,
     Unavailable,
     Unknown,
     from_rpc_error,
@@ -168,9 +169,14 @@ class BrokerClient:
 
     async def unregister_engine(self, engine_id: str, *, timeout: float | None = None) -> int:
         """Release an engine; returns the number of its requests that were failed by it."""
-        self._engines.pop(engine_id, None)
-        reply = await self._unary("UnregisterEngine", bpb.UnregisterEngineRequest(engine_id=engine_id),
-                                  self._deadline(timeout, self.timeout))
+        ours = self._engines.pop(engine_id, None) is not None
+        deadline, epoch = self._deadline(timeout, self.timeout), self._epoch
+        try:
+            reply = await self._unary("UnregisterEngine", bpb.UnregisterEngineRequest(engine_id=engine_id), deadline)
+        except NotFound:
+            if ours and await self._recover(deadline, since=epoch):
+                return 0  # the broker restarted: the engine went with the old process
+            raise
         return reply.failed_requests
 
     async def expect_transfer(self, engine_id: str, request_id: str, dst_page_ids: PageIds, *,

@@ -29,6 +29,7 @@ from kvbroker_client.model import (
     BufferRole,
     Component,
     ComponentSpec,
+    CudaIpcRef,
     KvDtype,
     LayerBuffer,
     Layout,
@@ -62,8 +63,8 @@ class _Extent:
 
 def _extent(x: ArrayLike) -> _Extent:
     if _is_torch(x):
-        if x.device.type != "cpu":
-            raise _cuda_ipc_ref(x)
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"tensor on device {x.device}: only CPU tensors in shared memory can be registered")
         if not x.is_contiguous():
             raise ValueError("tensor is not contiguous; a layer buffer must be one contiguous region")
         nbytes = x.numel() * x.element_size()
@@ -75,13 +76,15 @@ def _extent(x: ArrayLike) -> _Extent:
     raise TypeError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
-def _cuda_ipc_ref(tensor) -> Exception:
-    """The hook for GPU memory (issue 8): a CudaIpcRef from torch's CUDA IPC handle. Refused for now."""
-    if tensor.device.type == "cuda":
-        return NotImplementedError(
-            f"CUDA tensor on {tensor.device}: registering GPU memory by CUDA IPC handle is not implemented yet "
-            "(issue 8); stage the cache in host shared memory (SharedPool) for now")
-    return ValueError(f"tensor on device {tensor.device}: only CPU tensors in shared memory can be registered")
+def _cuda_ipc_ref(tensor) -> CudaIpcRef:
+    """GPU memory, the hook of issue 8: the CudaIpcRef of the CUDA IPC handle of the tensor's allocation.
+
+    To come: torch's CUDA storage sharing gives the handle, the allocation's size and the tensor's
+    offset in it; the broker opens the handle once at registration.
+    """
+    raise NotImplementedError(
+        f"CUDA tensor on {tensor.device}: registering GPU memory by CUDA IPC handle is not implemented yet "
+        "(issue 8); stage the cache in host shared memory (SharedPool) for now")
 
 
 def _segment_address(segment: SharedSegment) -> int:
@@ -146,6 +149,8 @@ def memory_ref(x: ArrayLike, segments: SegmentMap | SharedSegment | SharedPool |
                ) -> MemoryRef:
     """Where the bytes of `x` live, as a broker names them."""
     extent = _extent(x)
+    if _is_torch(x) and x.device.type == "cuda":
+        return _cuda_ipc_ref(x)
     segment_map = SegmentMap.of(segments)
     try:
         return segment_map.resolve(extent.address, extent.nbytes)
