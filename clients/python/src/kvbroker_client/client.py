@@ -163,7 +163,7 @@ class BrokerClient:
             await self.info(timeout=self._remaining(deadline))
         request = bpb.RegisterEngineRequest(engine_id=engine_id, topology=_topology(topology),
                                             components=[_component_spec(c) for c in components])
-        reply = await self._unary("RegisterEngine", request, deadline, retry=True)
+        reply = await self._unary("RegisterEngine", request, deadline)
         self._engines[engine_id] = request
         return EngineInfo.from_proto(reply.engine)
 
@@ -261,8 +261,9 @@ class BrokerClient:
     def _remaining(deadline: float) -> float:
         return max(0.0, deadline - asyncio.get_running_loop().time())
 
-    async def _unary(self, method: str, request, deadline: float, *, retry: bool = True,
-                     retry_unavailable: bool = True, wait_for_ready: bool = False):
+    async def _unary(self, method: str, request, deadline: float, *, retry_unavailable: bool = True,
+                     wait_for_ready: bool = False):
+        """One unary call; after a broker restart (see the module's map) it is retried once."""
         seen = self._epoch
         try:
             return await getattr(self._stub, method)(request, timeout=self._remaining(deadline),
@@ -272,7 +273,7 @@ class BrokerClient:
             code = exc.code()
         may_be_restart = code is grpc.StatusCode.UNAVAILABLE or (
             code is grpc.StatusCode.NOT_FOUND and bool(self._engines))
-        if not (retry and may_be_restart and await self._recover(deadline, since=seen)):
+        if not (may_be_restart and await self._recover(deadline, since=seen)):
             raise error
         if code is grpc.StatusCode.UNAVAILABLE and not retry_unavailable:
             raise error
