@@ -21,12 +21,19 @@ def status_code(code: Code | int) -> grpc.StatusCode:
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, prefix: str) -> BrokerError:
-    """A peer's status becomes ours, with the peer named; transport failures become UNAVAILABLE."""
+    """A peer's status becomes ours, with the peer named. A status outside our table (UNKNOWN,
+    DATA_LOSS, OUT_OF_RANGE: the transport or a broken peer) and the peer's own INTERNAL (its bug,
+    not ours) become UNAVAILABLE; UNAUTHENTICATED becomes PERMISSION_DENIED (DESIGN.md's peer that
+    failed authentication)."""
     code = exc.code()
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return BrokerError(Code.PERMISSION_DENIED, f"{prefix}: {exc.details() or code.name}")
     try:
         domain = Code(code.value[0])
     except ValueError:
-        domain = Code.UNAVAILABLE if code is grpc.StatusCode.UNKNOWN else Code.INTERNAL
+        domain = Code.UNAVAILABLE
+    if domain is Code.INTERNAL:
+        domain = Code.UNAVAILABLE
     return BrokerError(domain, f"{prefix}: {exc.details() or code.name}")
 
 

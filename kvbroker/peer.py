@@ -18,7 +18,7 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 from kvbroker import convert
-from kvbroker.backends.base import Backend
+from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.broker import Broker, ClaimResult, PeerSession
 from kvbroker.edge import from_rpc_error, translate_errors
 from kvbroker.errors import BrokerError, Code
@@ -152,7 +152,11 @@ class PeerClients:
         request = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
                                        backend=self._backend.name)
         reply = await self._rpc(address, self._stub(address).Handshake, request, timeout)
-        handle = await self._backend.connect(reply.backend_metadata)
+        try:
+            handle = await self._backend.connect(reply.backend_metadata)
+        except TransferFailed as exc:
+            raise BrokerError(Code.ABORTED, f"peer broker {address}: transfer engine {self._backend.name} "
+                                            f"cannot use its handshake metadata: {exc}") from None
         session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation,
                               convert.engine_layout_in(reply.engine), handle)
         record = self.records.setdefault(address, PeerRecord(address))
@@ -186,7 +190,11 @@ class PeerClients:
             pages=status.pages, runs=status.runs, bytes=status.bytes, truncated_pages=status.truncated_pages,
         )
         reply = await self._rpc(address, self._stub(address).CompleteTransfer, request, timeout)
-        return State(reply.state)
+        try:
+            return State(reply.state)
+        except ValueError:
+            raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {reply.state} "
+                                            f"for the grant") from None
 
     async def close(self) -> None:
         channels = [c for c, _ in self._channels.values()]

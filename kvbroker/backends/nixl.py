@@ -75,7 +75,10 @@ class NixlBackend(Backend):
             self._peers.add(name)
             return name
 
-        return await self._call(load)
+        try:
+            return await self._call(load)
+        except Exception as exc:  # nixl raises its own error types for metadata it cannot load
+            raise TransferFailed(f"NIXL refused the peer's metadata: {type(exc).__name__}: {exc}") from exc
 
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
