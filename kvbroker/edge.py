@@ -20,6 +20,18 @@ def status_code(code: Code | int) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+MAX_DETAILS_BYTES = 1024
+
+
+def details(message: str) -> str:
+    """A status message short enough for the grpc-message trailer: gRPC percent-encodes it, and a
+    client refuses trailers over 8 KiB, which a message echoing a long id would exceed."""
+    raw = message.encode()
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return message
+    return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"... ({len(raw)} bytes, clipped)"
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError, prefix: str) -> BrokerError:
     """A peer's status becomes ours, with the peer named. A status outside our table (UNKNOWN,
     DATA_LOSS, OUT_OF_RANGE: the transport or a broken peer) and the peer's own INTERNAL (its bug,
@@ -45,11 +57,12 @@ def translate_errors(method):
         try:
             return await method(self, request, context)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), exc.message)
+            await context.abort(status_code(exc.code), details(exc.message))
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:
             log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            await context.abort(grpc.StatusCode.INTERNAL, details(message))
 
     return wrapper

@@ -10,7 +10,7 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
 from kvbroker import __version__, convert
 from kvbroker.broker import Broker, TransferCommand
-from kvbroker.edge import status_code, translate_errors
+from kvbroker.edge import details, status_code, translate_errors
 from kvbroker.errors import BrokerError
 from kvbroker.peer import PeerClients
 
@@ -61,7 +61,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         try:
             updates = self._broker.watch(request.engine_id, request.request_id)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), exc.message)
+            await context.abort(status_code(exc.code), details(exc.message))
         async with contextlib.aclosing(updates):
             async for status in updates:
                 yield bpb.WatchTransferResponse(status=convert.status_out(status))
