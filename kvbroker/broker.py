@@ -215,9 +215,9 @@ class Broker:
             raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
         if record.state.terminal:
             return record.state
-        if claim_token != record.claim_token or not claim_token:  # an empty token proves no claim
-            if record.state is not State.PENDING or succeeded:
-                raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
+        claimed = bool(claim_token) and claim_token == record.claim_token  # an empty token proves no claim
+        if not claimed and (succeeded or record.state is not State.PENDING):
+            raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
         if succeeded:
             self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)
         else:
