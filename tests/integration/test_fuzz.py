@@ -1,0 +1,676 @@
+"""Every RPC of BrokerService and PeerService, fuzzed with hypothesis on a real pair of brokers.
+
+Each test drives one RPC with requests built from a valid seed and a few random mutations of any
+field, nested or repeated: ids empty, very long or odd, page ids up to uint32 max, empty and
+duplicated lists, unknown enum values, missing messages, random bytes and tokens. After every
+call: the status is OK or one DESIGN.md documents (or RESOURCE_EXHAUSTED, CANCELLED), never
+UNKNOWN or INTERNAL; both brokers are alive and SERVING; the canary engine's memory differs from
+the canary only where a granted transfer that succeeded wrote. After each test a legitimate
+transfer into the canary engine still moves every byte. One test plays a lying peer broker.
+
+Hypothesis drives synchronous code, so each test runs its @given function in a worker thread
+with blocking stubs while the session loop keeps draining the brokers' pipes. Examples are
+derandomized (profile "fuzz-ci"); KVBROKER_FUZZ_EXAMPLES sets how many per RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pytest
+import pytest_asyncio
+from google.protobuf.descriptor import FieldDescriptor as F
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from kvbroker_client.shm import SharedSegment
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+
+from kvbroker import demo
+from tests.conftest import (
+    ALL,
+    SMALL,
+    Broker,
+    Engine,
+    Engines,
+    assert_bytes,
+    close_broker,
+    expected_after,
+    open_broker,
+)
+
+pytestmark = pytest.mark.integration
+
+settings.register_profile(
+    "fuzz-ci", max_examples=int(os.environ.get("KVBROKER_FUZZ_EXAMPLES", "150")), derandomize=True,
+    database=None, deadline=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+)
+FUZZ = settings(settings.get_profile("fuzz-ci"))
+
+DOCUMENTED = {
+    grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+}
+CALL_TIMEOUT_S = 30.0  # well above the brokers' own bounds below: a call that reaches it hung
+BROKER_FLAGS = ("--transfer-timeout-s", "10", "--peer-rpc-timeout-s", "2", "--unregister-wait-s", "2")
+SCRATCH_SLOTS = 8
+SCRATCH_SLOT = demo.pool_size(SMALL, demo.place_buffers(SMALL))
+TERMINAL = (pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED)
+
+U32 = st.one_of(st.integers(0, 70), st.sampled_from([127, 128, 2**31 - 1, 2**31, 2**32 - 1]),
+                st.integers(0, 2**32 - 1))
+U64 = st.one_of(U32, st.sampled_from([2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
+I32 = st.one_of(st.integers(-3, 20), st.sampled_from([-2**31, 2**31 - 1]), st.integers(-2**31, 2**31 - 1))
+ENUM = st.one_of(st.integers(0, 4), st.integers(-2**31, 2**31 - 1))  # proto3 enums are open
+LONG = st.builds(lambda piece, n: piece * n, st.sampled_from(["a", "é", "/", "\x00", "🙂", "a.b-"]),
+                 st.integers(129, 5000))
+ODD = st.one_of(st.just(""), st.text(max_size=24), LONG, st.from_regex(r"[A-Za-z0-9._:/-]{1,128}", fullmatch=True))
+COMPONENTS = st.lists(st.sampled_from(ALL), min_size=1, max_size=2, unique=True)
+PAGES = st.lists(st.integers(0, SMALL.num_pages - 1), min_size=1, max_size=24, unique=True)
+
+
+# -- the world: two brokers, a source engine, a canary engine with a pending grant -----------------
+
+@dataclass
+class World:
+    backend: str
+    prefill: Broker
+    decode: Broker
+    src: Engine  # on prefill, random bytes
+    canary: Engine  # on decode, all canary: the memory nothing but a granted transfer may write
+    scratch: SharedSegment  # what fuzzed registrations may map
+    known: list[str]  # ids, names and addresses that fuzzed string fields draw from
+    grants: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # canary's: components, pages
+    tokens: dict[tuple[str, str], str] = field(default_factory=dict)  # claim tokens ClaimGrant handed out
+    written: np.ndarray | None = None  # canary bytes a successful fuzzed transfer may have written
+    registered: list[str] = field(default_factory=list)  # engines fuzzed registrations created
+    bystanders: list[Broker] = field(default_factory=list)  # more brokers a test involves, kept alive too
+    numbers: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def protected(self) -> set[str]:
+        return {self.src.engine_id, self.canary.engine_id}
+
+    def allow_write(self, components, dst_ids) -> None:
+        for p in self.canary.placements:
+            if p.component in components:
+                for page in dst_ids:
+                    start = p.offset + page * p.item_len
+                    self.written[start:start + p.item_len] = True
+
+
+@pytest_asyncio.fixture(scope="module")
+async def world(backend):
+    prefill = await open_broker(f"fuzz-prefill-{backend}", backend, *BROKER_FLAGS)
+    decode = await open_broker(f"fuzz-decode-{backend}", backend, *BROKER_FLAGS)
+    made = Engines()
+    scratch = SharedSegment.create(SCRATCH_SLOTS * SCRATCH_SLOT, "kvbt-fuzz")
+    try:
+        src = await made.make(prefill, "prefill")
+        canary = await made.make(decode, "decode", fill="canary")
+        known = [src.engine_id, canary.engine_id, "fuzz-pending", "r-0", "r-1", "r-2", scratch.name,
+                 prefill.peer_address, decode.peer_address, decode.process.listen, "127.0.0.1:1",
+                 "unix:/nonexistent/kvbroker.sock", "nixl", "mooncake", prefill.process.broker_id,
+                 decode.process.broker_id]
+        w = World(backend, prefill, decode, src, canary, scratch, known)
+        w.written = np.zeros(canary.segment.array.size, dtype=bool)
+        pending = list(range(0, SMALL.num_pages, 2))
+        await canary.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+            request_id="fuzz-pending", engine_id=canary.engine_id, components=ALL, dst_page_ids=pending,
+            expiry_ms=600_000), timeout=10)
+        w.grants["fuzz-pending"] = (list(ALL), pending)
+        yield w
+    finally:
+        await made.close()
+        scratch.close()
+        scratch.unlink()
+        codes = [await close_broker(b) for b in (prefill, decode)]
+    assert codes == [0, 0], f"a fuzzed broker did not shut down cleanly: exit codes {codes}"
+
+
+class Fuzzer:
+    """Blocking stubs for one test, made and used in the worker thread; checks after every call."""
+
+    def __init__(self, world: World) -> None:
+        self.w = world
+        self.channels = {}
+        for name, address in (("prefill", world.prefill.process.listen), ("decode", world.decode.process.listen),
+                              ("prefill_peer", world.prefill.peer_address),
+                              ("decode_peer", world.decode.peer_address)):
+            self.channels[name] = grpc.insecure_channel(address)
+        self.local = {"prefill": bpb_grpc.BrokerServiceStub(self.channels["prefill"]),
+                      "decode": bpb_grpc.BrokerServiceStub(self.channels["decode"])}
+        self.peer = {"prefill": ppb_grpc.PeerServiceStub(self.channels["prefill_peer"]),
+                     "decode": ppb_grpc.PeerServiceStub(self.channels["decode_peer"])}
+        for i, broker in enumerate(world.bystanders):
+            self.channels[f"bystander{i}"] = grpc.insecure_channel(broker.process.listen)
+        self.health = [health_pb2_grpc.HealthStub(c) for c in self.channels.values()]
+        self.crash: str | None = None
+        self.outcomes: Counter[str] = Counter()  # printed: shows how deep the examples reached
+
+    def close(self) -> None:
+        for channel in self.channels.values():
+            channel.close()
+
+    def call(self, method, request, what: str):
+        """One unary call: (reply, None) or (None, code); fails on an undocumented code or a hang."""
+        started = time.monotonic()
+        try:
+            reply, code, details = method(request, timeout=CALL_TIMEOUT_S), None, ""
+        except grpc.RpcError as exc:
+            reply, code, details = None, exc.code(), exc.details()
+        self.check_alive(what, request)
+        self.outcomes[f"{what.split()[0]} {code.name if code else 'OK'}"] += 1
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - started >= CALL_TIMEOUT_S - 1:
+            pytest.fail(f"{what} hung for {CALL_TIMEOUT_S}s on\n{request!r:.3000}")
+        if code is not None and code not in DOCUMENTED:
+            pytest.fail(f"{what} answered {code.name} ({details}) to\n{request!r:.3000}")
+        return reply, code
+
+    def check_alive(self, what: str, request) -> None:
+        if self.crash is None:
+            for broker in (self.w.prefill, self.w.decode, *self.w.bystanders):
+                if broker.process.process.returncode is not None:
+                    self.crash = (f"broker {broker.process.broker_id} exited "
+                                  f"({broker.process.process.returncode}) after {what} with\n{request!r:.3000}\n"
+                                  + "\n".join(broker.process.stderr_lines[-20:]))
+            for stub in self.health:
+                try:
+                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+                except grpc.RpcError as exc:
+                    status = exc.code()
+                if status != health_pb2.HealthCheckResponse.SERVING and self.crash is None:
+                    self.crash = f"health is {status} after {what} with\n{request!r:.3000}"
+        if self.crash is not None:
+            pytest.fail(self.crash)  # shrinking replays against a dead broker; this names the first culprit
+
+    def state(self, where: str, engine_id: str, request_id: str) -> int | None:
+        """The request's current state (first message of WatchTransfer), None when it is not there."""
+        call = self.local[where].WatchTransfer(
+            bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id), timeout=10)
+        try:
+            return next(call).status.state
+        except grpc.RpcError as exc:
+            assert exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), exc
+            return None
+        finally:
+            call.cancel()
+
+    # -- setup steps some examples take before the fuzzed call -----------------------------------
+    def grant(self, where: str, engine: Engine, request_id: str, components, pages, expiry_ms=30_000) -> None:
+        request = bpb.ExpectTransferRequest(request_id=request_id, engine_id=engine.engine_id,
+                                            components=components, dst_page_ids=pages, expiry_ms=expiry_ms)
+        self.expect_transfer(where, request)
+
+    def expect_transfer(self, where: str, request: bpb.ExpectTransferRequest):
+        reply, code = self.call(self.local[where].ExpectTransfer, request, "ExpectTransfer")
+        if reply is not None and where == "decode" and request.engine_id == self.w.canary.engine_id:
+            self.w.grants[request.request_id] = (list(request.components), list(request.dst_page_ids))
+        return reply, code
+
+    def claim(self, request: ppb.ClaimGrantRequest):
+        reply, code = self.call(self.peer["decode"].ClaimGrant, request, "ClaimGrant")
+        if reply is not None:
+            self.w.tokens[(request.engine_id, request.request_id)] = reply.claim_token
+        return reply, code
+
+
+def fuzz(world: World, test) -> None:
+    """Run a @given test taking (fuzzer, data) in a worker thread, on stubs of its own."""
+    fuzzer = Fuzzer(world)
+    try:
+        test(fuzzer)
+        print(dict(sorted(fuzzer.outcomes.items())))
+    finally:
+        fuzzer.close()
+
+
+async def run_fuzz(world: World, test) -> None:
+    await asyncio.to_thread(fuzz, world, test)
+    await check_canary_and_legit_transfer(world)
+
+
+async def check_canary_and_legit_transfer(w: World) -> None:
+    """Canary bytes outside what successful transfers wrote; then a real transfer still works."""
+    array = w.canary.segment.array
+    touched = np.flatnonzero((array != demo.CANARY) & ~w.written)
+    assert touched.size == 0, f"{touched.size} canary bytes changed without a granted transfer, first at {touched[0]}"
+    array[:] = demo.CANARY
+    w.written[:] = False
+    request_id = f"legit-{next(w.numbers)}"
+    rng = np.random.default_rng(len(request_id))
+    src_ids, dst_ids = rng.permutation(SMALL.num_pages)[:16], rng.permutation(SMALL.num_pages)[:16]
+    await w.canary.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=w.canary.engine_id, components=ALL, dst_page_ids=dst_ids.tolist()),
+        timeout=10)
+    reply = await w.src.stub.Transfer(bpb.TransferRequest(
+        request_id=request_id, engine_id=w.src.engine_id, peer_address=w.decode.peer_address,
+        remote_engine_id=w.canary.engine_id, components=ALL, src_page_ids=src_ids.tolist()), timeout=60)
+    assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    before = np.full_like(array, demo.CANARY)
+    assert_bytes(w.canary, expected_after(w.src, w.canary, before, ALL, src_ids, dst_ids))
+    array[:] = demo.CANARY
+
+
+# -- generic mutation of any message, driven by its descriptor ---------------------------------------
+
+def one_of_pool(pool: list):
+    """An element of a list that grows during the test: the choice drawn is an index, so it replays."""
+    return st.integers(0, 255).map(lambda i: pool[i % len(pool)])
+
+
+def scalar(fd, known: list[str]):
+    if fd.type == F.TYPE_STRING:
+        return st.one_of(one_of_pool(known), ODD)
+    if fd.type == F.TYPE_BYTES:
+        return st.one_of(st.binary(max_size=256), st.sampled_from([b"127.0.0.1:1", b"[::1]:1", b"host:x"]))
+    if fd.type == F.TYPE_BOOL:
+        return st.booleans()
+    if fd.type == F.TYPE_ENUM:
+        return ENUM
+    if fd.type == F.TYPE_UINT32:
+        return U32
+    if fd.type == F.TYPE_UINT64:
+        return U64
+    if fd.type == F.TYPE_INT32:
+        return I32
+    raise AssertionError(f"no strategy for field type {fd.type} of {fd.full_name}")
+
+
+def mutate_once(data, message, known: list[str]) -> None:
+    fd = data.draw(st.sampled_from(list(message.DESCRIPTOR.fields)))
+    value = getattr(message, fd.name)
+    is_message = fd.message_type is not None
+    if fd.is_repeated:
+        action = data.draw(st.sampled_from(["clear", "append", "duplicate", "element", "many"]))
+        if action == "clear":
+            message.ClearField(fd.name)
+        elif action == "duplicate" and len(value):
+            for item in list(value)[: data.draw(st.integers(1, len(value)))]:
+                if is_message:
+                    value.add().CopyFrom(item)
+                else:
+                    value.append(item)
+        elif action == "element" and len(value):
+            i = data.draw(st.integers(0, len(value) - 1))
+            if is_message:
+                mutate_once(data, value[i], known)
+            else:
+                value[i] = data.draw(scalar(fd, known))
+        elif action == "many" and fd.type in (F.TYPE_UINT32, F.TYPE_ENUM):
+            start = data.draw(st.integers(0, 2**31))
+            value.extend(range(start, start + data.draw(st.integers(100, 5000))))
+        elif is_message:
+            item = value.add()
+            for _ in range(data.draw(st.integers(0, 3))):
+                mutate_once(data, item, known)
+        else:
+            value.append(data.draw(scalar(fd, known)))
+    elif is_message:
+        if data.draw(st.booleans()) or not value.DESCRIPTOR.fields:
+            message.ClearField(fd.name)  # a missing message
+        else:
+            mutate_once(data, value, known)
+    else:
+        setattr(message, fd.name, data.draw(scalar(fd, known)))
+
+
+def mutated(data, message, known: list[str], most: int = 4):
+    for _ in range(data.draw(st.integers(0, most), label="mutations")):
+        mutate_once(data, message, known)
+    return message
+
+
+# -- BrokerService ---------------------------------------------------------------------------------
+
+def register_seed(data, w: World) -> bpb.RegisterEngineRequest:
+    names = data.draw(st.sampled_from([("MAIN_KV", "MINIMAX_INDEX_K"), ("MAIN_KV",), ("MINIMAX_INDEX_K",)]))
+    layout = data.draw(st.sampled_from(["KV_SPLIT", "FLAT"]))
+    placements = demo.place_buffers(SMALL, names, layout)
+    engine_id = f"fuzz-{next(w.numbers)}/tp0"
+    request = demo.register_request(engine_id, SMALL, w.scratch, placements, layout)
+    base = data.draw(st.integers(0, SCRATCH_SLOTS - 1)) * SCRATCH_SLOT
+    for component in request.components:
+        for buffer in component.layer_buffers:
+            buffer.memory.shared_memory.offset += base
+    return request
+
+
+async def test_fuzz_register_engine(world):
+    @FUZZ
+    @given(st.data(), st.sampled_from(["prefill", "decode"]))
+    def run(fuzzer, data, where):
+        request = mutated(data, register_seed(data, fuzzer.w), fuzzer.w.known, most=5)
+        keep = data.draw(st.booleans())  # keep some, so the other RPCs meet fuzzed engines too
+        reply, _ = fuzzer.call(fuzzer.local[where].RegisterEngine, request, "RegisterEngine")
+        if reply is not None:
+            assert reply.engine.engine_id == request.engine_id
+            fuzzer.w.registered.append(request.engine_id)
+            fuzzer.w.known.append(request.engine_id)
+            if not keep:
+                fuzzer.call(fuzzer.local[where].UnregisterEngine,
+                            bpb.UnregisterEngineRequest(engine_id=request.engine_id), "UnregisterEngine")
+
+    await run_fuzz(world, run)
+
+
+async def test_fuzz_unregister_engine(world):
+    @FUZZ
+    @given(st.data(), st.sampled_from(["prefill", "decode"]))
+    def run(fuzzer, data, where):
+        w = fuzzer.w
+        engine_id = data.draw(st.one_of(one_of_pool(w.registered or ["none"]), ODD))
+        request = mutated(data, bpb.UnregisterEngineRequest(engine_id=engine_id), w.known, most=1)
+        assume(request.engine_id not in w.protected)
+        fuzzer.call(fuzzer.local[where].UnregisterEngine, request, "UnregisterEngine")
+
+    await run_fuzz(world, run)
+
+
+def expect_seed(data, w: World) -> tuple[str, bpb.ExpectTransferRequest]:
+    where, engine = data.draw(st.sampled_from([("decode", w.canary), ("prefill", w.src)]))
+    request_id = data.draw(st.one_of(st.sampled_from(["r-0", "r-1", "r-2", "fuzz-pending"]),
+                                     st.builds(lambda: f"g-{next(w.numbers)}")))
+    return where, bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=engine.engine_id, components=data.draw(COMPONENTS),
+        dst_page_ids=data.draw(PAGES), expiry_ms=data.draw(st.sampled_from([0, 1, 50, 30_000, 600_000])))
+
+
+async def test_fuzz_expect_transfer(world):
+    @FUZZ
+    @given(st.data())
+    def run(fuzzer, data):
+        where, seed = expect_seed(data, fuzzer.w)
+        fuzzer.expect_transfer(where, mutated(data, seed, fuzzer.w.known))
+
+    await run_fuzz(world, run)
+
+
+def transfer_call(fuzzer: Fuzzer, where: str, request: bpb.TransferRequest):
+    reply, code = fuzzer.call(fuzzer.local[where].Transfer, request, "Transfer")
+    w = fuzzer.w
+    if reply is not None and request.remote_engine_id == w.canary.engine_id:
+        assert request.request_id in w.grants, f"a transfer succeeded without a grant the test made: {request}"
+        granted_components, granted = w.grants[request.request_id]
+        assert set(request.components) <= set(granted_components), f"components outside the grant: {request}"
+        pages = list(request.dst_page_ids) or granted
+        assert set(pages) <= set(granted), f"pages outside the grant were written: {request}"
+        w.allow_write(request.components, pages[: len(request.src_page_ids)])
+    return reply, code
+
+
+async def test_fuzz_transfer(world):
+    @FUZZ
+    @given(st.data())
+    def run(fuzzer, data):
+        w = fuzzer.w
+        fresh = f"t-{next(w.numbers)}"
+        request_id = data.draw(st.sampled_from(["r-0", "r-1", "fuzz-pending", fresh, fresh, fresh]))
+        components = data.draw(COMPONENTS)
+        sender, (granter, receiver) = data.draw(st.sampled_from([
+            ("prefill", ("decode", w.canary)), ("decode", ("prefill", w.src))]))
+        local = w.src if sender == "prefill" else w.canary
+        if data.draw(st.booleans()):
+            fuzzer.grant(granter, receiver, request_id, components, data.draw(PAGES))
+        peer = (w.decode if receiver is w.canary else w.prefill).peer_address
+        seed = bpb.TransferRequest(
+            request_id=request_id, engine_id=local.engine_id, peer_address=peer,
+            remote_engine_id=receiver.engine_id, components=components, src_page_ids=data.draw(PAGES),
+            dst_page_ids=data.draw(st.one_of(st.just([]), PAGES)))
+        transfer_call(fuzzer, sender, mutated(data, seed, w.known))
+
+    await run_fuzz(world, run)
+
+
+async def test_fuzz_watch_transfer(world):
+    @FUZZ
+    @given(st.data(), st.sampled_from(["prefill", "decode"]))
+    def run(fuzzer, data, where):
+        w = fuzzer.w
+        seed = bpb.WatchTransferRequest(engine_id=data.draw(st.sampled_from([w.canary.engine_id, w.src.engine_id])),
+                                        request_id=data.draw(st.sampled_from(["r-0", "r-1", "fuzz-pending"])))
+        request = mutated(data, seed, w.known, most=2)
+        call = fuzzer.local[where].WatchTransfer(request, timeout=10)
+        try:
+            first = next(call).status
+            fuzzer.outcomes[f"WatchTransfer {pb.TransferState.Name(first.state)}"] += 1
+            if first.state in TERMINAL:
+                rest = list(call)  # the stream ends after a terminal state; a hang runs into the timeout
+                assert rest == [], f"updates after the terminal state: {rest}"
+            else:
+                assert first.state in (pb.TRANSFER_STATE_PENDING, pb.TRANSFER_STATE_TRANSFERRING), first
+        except grpc.RpcError as exc:
+            fuzzer.outcomes[f"WatchTransfer {exc.code().name}"] += 1
+            assert exc.code() in DOCUMENTED - {grpc.StatusCode.DEADLINE_EXCEEDED}, \
+                f"WatchTransfer answered {exc.code().name} ({exc.details()}) to\n{request!r:.3000}"
+        finally:
+            call.cancel()
+            fuzzer.check_alive("WatchTransfer", request)
+
+    await run_fuzz(world, run)
+
+
+async def test_fuzz_cancel_transfer(world):
+    @FUZZ
+    @given(st.data(), st.sampled_from(["prefill", "decode"]))
+    def run(fuzzer, data, where):
+        w = fuzzer.w
+        seed = bpb.CancelTransferRequest(
+            engine_id=data.draw(st.sampled_from([w.canary.engine_id, w.src.engine_id])),
+            request_id=data.draw(st.sampled_from(["r-0", "r-1", "r-2"])), reason=data.draw(ODD))
+        reply, _ = fuzzer.call(fuzzer.local[where].CancelTransfer, mutated(data, seed, w.known, most=2),
+                               "CancelTransfer")
+        if reply is not None:
+            assert reply.status.state in TERMINAL
+
+    await run_fuzz(world, run)
+
+
+def unknown_fields(draw_fields) -> bytes:
+    """A protobuf encoding of fields the message does not declare (varints and byte strings)."""
+    out = bytearray()
+
+    def varint(n: int) -> None:
+        while True:
+            byte, n = n & 0x7F, n >> 7
+            out.append(byte | (0x80 if n else 0))
+            if not n:
+                return
+
+    for number, payload in draw_fields:
+        if isinstance(payload, int):
+            varint(number << 3)
+            varint(payload)
+        else:
+            varint(number << 3 | 2)
+            varint(len(payload))
+            out.extend(payload)
+    return bytes(out)
+
+
+async def test_fuzz_get_broker_info(world):
+    fields = st.lists(st.tuples(st.integers(1, 2**29 - 1), st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=64))),
+                      max_size=6)
+
+    @FUZZ
+    @given(fields, st.sampled_from(["prefill", "decode"]))
+    def run(fuzzer, drawn, where):
+        method = fuzzer.channels[where].unary_unary(
+            "/kvbroker.v1.BrokerService/GetBrokerInfo", request_serializer=None,
+            response_deserializer=bpb.GetBrokerInfoResponse.FromString)
+        reply, _ = fuzzer.call(method, unknown_fields(drawn), "GetBrokerInfo")
+        assert reply is not None
+        engine = fuzzer.w.canary if where == "decode" else fuzzer.w.src
+        assert engine.engine_id in {e.engine_id for e in reply.engines}
+
+    await run_fuzz(world, run)
+
+
+# -- PeerService -----------------------------------------------------------------------------------
+
+async def test_fuzz_handshake(world):
+    @FUZZ
+    @given(st.data(), st.sampled_from(["prefill", "decode"]))
+    def run(fuzzer, data, where):
+        w = fuzzer.w
+        engine = w.canary if where == "decode" else w.src
+        seed = ppb.HandshakeRequest(broker_id="fuzzer", epoch=data.draw(U64), engine_id=engine.engine_id,
+                                    backend=w.backend)
+        request = mutated(data, seed, w.known, most=3)
+        reply, _ = fuzzer.call(fuzzer.peer[where].Handshake, request, "Handshake")
+        if reply is not None:
+            assert reply.engine.engine_id == request.engine_id and reply.backend == w.backend
+
+    await run_fuzz(world, run)
+
+
+def claim_seed(data, fuzzer: Fuzzer) -> ppb.ClaimGrantRequest:
+    w = fuzzer.w
+    request_id = data.draw(st.sampled_from(["r-0", "r-1", "r-2", "fuzz-pending", f"c-{next(w.numbers)}"]))
+    components, pages = data.draw(COMPONENTS), data.draw(PAGES)
+    if data.draw(st.booleans()):
+        fuzzer.grant("decode", w.canary, request_id, components, pages)
+    claimed = data.draw(st.one_of(st.just([]), st.lists(st.sampled_from(pages), max_size=len(pages), unique=True)))
+    return ppb.ClaimGrantRequest(broker_id="fuzzer", epoch=data.draw(U64), engine_id=w.canary.engine_id,
+                                 request_id=request_id, components=components, dst_page_ids=claimed)
+
+
+async def test_fuzz_claim_grant(world):
+    @FUZZ
+    @given(st.data())
+    def run(fuzzer, data):
+        w = fuzzer.w
+        request = mutated(data, claim_seed(data, fuzzer), w.known, most=3)
+        reply, _ = fuzzer.claim(request)
+        if reply is not None and request.engine_id == w.canary.engine_id:
+            granted_components, granted = w.grants[request.request_id]
+            assert set(request.components) <= set(granted_components), f"claimed outside the grant: {request}"
+            assert set(reply.dst_page_ids) <= set(granted), f"claim handed out pages outside the grant: {reply}"
+            assert reply.claim_token
+
+    await run_fuzz(world, run)
+
+
+async def test_fuzz_complete_transfer(world):
+    @FUZZ
+    @given(st.data())
+    def run(fuzzer, data):
+        w = fuzzer.w
+        seed = claim_seed(data, fuzzer)
+        if data.draw(st.booleans()):
+            fuzzer.claim(seed)
+        key = (seed.engine_id, seed.request_id)
+        token = data.draw(st.one_of(st.sampled_from([w.tokens.get(key, ""), ""]), ODD))
+        request = ppb.CompleteTransferRequest(
+            broker_id="fuzzer", engine_id=seed.engine_id, request_id=seed.request_id, claim_token=token,
+            succeeded=data.draw(st.booleans()), code=data.draw(I32), reason=data.draw(ODD), pages=data.draw(U32),
+            runs=data.draw(U32), bytes=data.draw(U64), truncated_pages=data.draw(U32))
+        request = mutated(data, request, w.known, most=2)
+        before = fuzzer.state("decode", request.engine_id, request.request_id)
+        reply, _ = fuzzer.call(fuzzer.peer["decode"].CompleteTransfer, request, "CompleteTransfer")
+        if reply is not None and before not in TERMINAL and before is not None and request.succeeded:
+            claimed = w.tokens.get((request.engine_id, request.request_id))
+            assert before == pb.TRANSFER_STATE_TRANSFERRING and request.claim_token == claimed, (
+                f"a {pb.TransferState.Name(before)} grant was completed as written with a token ClaimGrant "
+                f"did not hand out:\n{request}")
+
+    await run_fuzz(world, run)
+
+
+# -- a lying peer: the sender meets a PeerService that answers anything ------------------------------
+
+class LyingPeer(ppb_grpc.PeerServiceServicer):
+    """Answers each call with the reply (or the status) the current example drew."""
+
+    def __init__(self) -> None:
+        self.replies: dict[str, object] = {}
+
+    def _answer(self, name: str, context):
+        reply = self.replies[name]
+        if isinstance(reply, grpc.StatusCode):
+            context.abort(reply, f"lying peer says {reply.name}")
+        return reply
+
+    def Handshake(self, request, context):
+        return self._answer("Handshake", context)
+
+    def ClaimGrant(self, request, context):
+        return self._answer("ClaimGrant", context)
+
+    def CompleteTransfer(self, request, context):
+        return self._answer("CompleteTransfer", context)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def liar(world):
+    """A lying PeerService, and the real handshake of a bystander broker's engine for it to replay:
+    with the bystander's transfer-engine metadata and addresses, the sender's writes really happen."""
+    bystander = await open_broker(f"fuzz-bystander-{world.backend}", world.backend, *BROKER_FLAGS)
+    made = Engines()
+    peer = LyingPeer()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    ppb_grpc.add_PeerServiceServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        engine = await made.make(bystander, "bystander", fill="canary")
+        async with grpc.aio.insecure_channel(bystander.peer_address) as channel:
+            real = await ppb_grpc.PeerServiceStub(channel).Handshake(ppb.HandshakeRequest(
+                broker_id="fuzzer", engine_id=engine.engine_id, backend=world.backend), timeout=10)
+        world.bystanders.append(bystander)
+        yield peer, f"127.0.0.1:{port}", real
+    finally:
+        server.stop(None)
+        world.bystanders.clear()
+        await made.close()
+        code = await close_broker(bystander)
+    assert code == 0, f"the bystander broker did not shut down cleanly: exit code {code}"
+
+
+async def test_fuzz_transfer_against_a_lying_peer(world, liar):
+    peer, address, real = liar
+    error_codes = st.sampled_from(list(grpc.StatusCode)[1:])
+    metadata = ppb.HandshakeResponse.DESCRIPTOR.fields_by_name["backend_metadata"]
+
+    @FUZZ
+    @given(st.data())
+    def run(fuzzer, data):
+        w = fuzzer.w
+        remote = f"liar-{next(w.numbers)}"  # a fresh engine id: no cached handshake
+        hello = ppb.HandshakeResponse()
+        hello.CopyFrom(real)
+        hello.engine.engine_id = remote
+        if data.draw(st.booleans()):
+            hello.backend_metadata = data.draw(scalar(metadata, w.known))
+        components = data.draw(COMPONENTS)
+        claim = ppb.ClaimGrantResponse(
+            dst_page_ids=data.draw(PAGES), epoch=real.epoch, generation=real.generation, claim_token=data.draw(ODD),
+            remaining_ms=data.draw(st.sampled_from([0, 50, 2000, 30_000])))
+        peer.replies = {
+            "Handshake": data.draw(st.one_of(st.just(mutated(data, hello, w.known, most=3)), error_codes)),
+            "ClaimGrant": data.draw(st.one_of(st.just(mutated(data, claim, w.known, most=2)), error_codes)),
+            "CompleteTransfer": data.draw(st.one_of(st.builds(ppb.CompleteTransferResponse, state=ENUM),
+                                                    error_codes)),
+        }
+        request = bpb.TransferRequest(
+            request_id=f"l-{next(w.numbers)}", engine_id=w.src.engine_id, peer_address=address,
+            remote_engine_id=remote, components=components, src_page_ids=data.draw(PAGES))
+        fuzzer.call(fuzzer.local["prefill"].Transfer, request,
+                    f"Transfer against a lying peer {peer.replies!r:.3000}")
+
+    await run_fuzz(world, run)
