@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything kvbroker needs on a fresh Debian machine with Python 3.11: the Debian
-# library Mooncake's CPU build loads (libibverbs1), a virtualenv in .venv with the client package,
-# the daemon and both transfer engines (torch pinned to the CPU build), and, with --test, the test
-# tools (pytest & co. from PyPI, buf from npm into .tools/). Idempotent: a second run is quick.
+# library Mooncake's CPU build loads (libibverbs1), a virtualenv in .venv with the client packages
+# (kvbroker_client, kvbroker_sglang), the daemon and both transfer engines (torch pinned to the
+# CPU build), and, with --test, the test tools (pytest & co. from PyPI, buf from npm into .tools/). Idempotent: a second run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,10 +24,10 @@ fi
 stamp=.venv/.kvbroker-installed
 extras="nixl,mooncake-cpu"
 (( want_tests )) && extras="$extras,test"
-inputs=$(cat pyproject.toml clients/python/pyproject.toml constraints/cpu.txt; echo "$extras")
+inputs=$(cat pyproject.toml clients/python/pyproject.toml clients/sglang/pyproject.toml constraints/cpu.txt; echo "$extras")
 if [[ ! -f $stamp ]] || [[ "$(cat "$stamp")" != "$(sha256sum <<<"$inputs" | cut -d' ' -f1)" ]]; then
     .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -c constraints/cpu.txt -e clients/python -e ".[$extras]"
+    .venv/bin/python -m pip install -q -c constraints/cpu.txt -e clients/python -e clients/sglang -e ".[$extras]"
     sha256sum <<<"$inputs" | cut -d' ' -f1 >"$stamp"
 fi
 

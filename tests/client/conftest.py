@@ -6,13 +6,10 @@ Everything runs on the session event loop (the broker processes' log readers liv
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import itertools
 import os
-import sys
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +19,6 @@ from kvbroker_client.tensors import SharedPool
 
 from kvbroker.launch import BrokerProcess, start_broker
 
-ROOT = Path(__file__).resolve().parents[2]
-if importlib.util.find_spec("kvbroker_sglang") is None:  # the adapter is importable without installing it
-    sys.path.insert(0, str(ROOT / "clients" / "sglang" / "src"))
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
