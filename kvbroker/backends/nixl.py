@@ -2,6 +2,9 @@
 
 Every call into the agent runs on one dedicated thread, so the agent is never entered
 concurrently and the event loop never blocks; completion is polled with a short backoff.
+The agent's own progress thread (which must run: a receiving broker never calls into NIXL, yet
+its UCX worker has to progress for transports such as TCP) waits in poll() for UCX events with
+a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import sys
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,6 +26,10 @@ log = logging.getLogger(__name__)
 
 POLL_FIRST_S = 20e-6
 POLL_MAX_S = 1e-3
+# The progress thread's poll() timeout when no UCX event wakes it. NIXL rounds it up to whole
+# milliseconds; the Python wrapper hard-codes 0, a zero timeout, so the thread never sleeps.
+PROGRESS_POLL_US = 1000
+_agent_construction = threading.Lock()  # new_agent swaps a module attribute of the bindings
 
 
 class NixlBackend(Backend):
@@ -44,7 +53,7 @@ class NixlBackend(Backend):
             nixl_log.handlers.clear()
             nixl_log.propagate = True
             nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
-            return nixl_agent(self._agent_name, nixl_agent_config(backends=["UCX"]))
+            return new_agent(nixl_agent, nixl_agent_config, self._agent_name)
 
         self._agent = await self._call(create)
 
@@ -122,6 +131,32 @@ class NixlBackend(Backend):
         if self._agent is not None:
             await self._call(teardown)
         self._executor.shutdown(wait=True)
+
+
+def new_agent(nixl_agent, nixl_agent_config, name: str):
+    """A UCX agent whose progress thread sleeps in poll() between events.
+
+    nixl_agent_config exposes no progress-thread delay and nixl_agent sets the bindings' pthrDelay
+    to 0 just before constructing the native agent, so the native constructor is wrapped for the
+    duration of this one call to set the delay first. If the bindings are not shaped as expected,
+    the agent is built as NIXL would build it.
+    """
+    bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
+    native = getattr(bindings, "nixlAgent", None)
+    if native is None:
+        log.warning("NIXL bindings without nixlAgent: the progress thread keeps NIXL's zero poll timeout")
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+    def with_poll_timeout(agent_name, config):
+        config.pthrDelay = PROGRESS_POLL_US
+        return native(agent_name, config)
+
+    with _agent_construction:
+        bindings.nixlAgent = with_poll_timeout
+        try:
+            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        finally:
+            bindings.nixlAgent = native
 
 
 def _release(agent, handle) -> None:
