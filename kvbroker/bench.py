@@ -226,12 +226,11 @@ def _protocol_stream():
 
 async def _direct_child(backend: str) -> None:
     """Two Backend instances of one engine in this process; the parent drives them over stdin."""
-    from kvbroker_client.shm import SharedSegment
-
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
     from kvbroker.planner import build_descriptors, plan_runs
     from kvbroker.registry import Region
+    from kvbroker_client.shm import SharedSegment
 
     out = _protocol_stream()
     loop = asyncio.get_running_loop()
@@ -393,9 +392,8 @@ class Side:
 
 
 async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
-    from kvbroker_client.client import BrokerClient
-
     from kvbroker.launch import start_broker
+    from kvbroker_client.client import BrokerClient
 
     flags = ("--backend", backend, "--log-level", "WARNING", "--transfer-timeout-s", str(timeout))
     started = await asyncio.gather(start_broker(f"bench-prefill-{backend}", *flags),
