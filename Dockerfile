@@ -59,7 +59,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     KVBROKER_PEER_LISTEN=0.0.0.0:50052 \
     KVBROKER_LOG_FORMAT=json
 USER 10001:10001
-EXPOSE 50052
+EXPOSE 50052 9400
 # Checks the local API (KVBROKER_LISTEN) through grpc.health.v1; set addresses through KVBROKER_*
 # variables rather than flags so that the check follows them.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
