@@ -31,14 +31,14 @@ from google.protobuf.descriptor import FieldDescriptor as F
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
+from kvbroker import demo
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-
-from kvbroker import demo
 from tests.conftest import (
     ALL,
     SMALL,
@@ -504,8 +504,8 @@ def unknown_fields(draw_fields) -> bytes:
 
 
 async def test_fuzz_get_broker_info(world):
-    fields = st.lists(st.tuples(st.integers(1, 2**29 - 1), st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=64))),
-                      max_size=6)
+    payload = st.one_of(st.integers(0, 2**64 - 1), st.binary(max_size=64))
+    fields = st.lists(st.tuples(st.integers(1, 2**29 - 1), payload), max_size=6)
 
     @FUZZ
     @given(fields, st.sampled_from(["prefill", "decode"]))
