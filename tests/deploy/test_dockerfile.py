@@ -100,7 +100,7 @@ def test_default_settings_are_a_unix_socket_the_peer_port_and_json_logs():
     assert settings.listen == "unix:/run/kvbroker/kvbroker.sock"
     assert settings.peer_listen == "0.0.0.0:50052"
     assert settings.log_format == "json"
-    assert only("EXPOSE").args == "50052"
+    assert only("EXPOSE").args.split() == ["50052", "9400"]  # peer API, Prometheus metrics
     assert any(i.keyword == "RUN" and "/run/kvbroker" in i.args for i in FINAL)
 
 
