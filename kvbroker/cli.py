@@ -1,9 +1,10 @@
-"""Command line: `kvbroker serve | demo | bench | status`.
+"""Command line: `kvbroker serve | demo | bench | status | health`.
 
 serve: runs one broker until SIGTERM/SIGINT (the first drains, a second forces an exit); prints
 one JSON line on stdout when both listeners are bound, with their resolved addresses.
 demo: two brokers in subprocesses, one MiniMax-M3-shaped request, every byte verified.
 status: a running broker's engines, peers and counters (kvbroker/status.py).
+health: exit 0 if a broker reports SERVING (kvbroker/probe.py; the image's HEALTHCHECK).
 bench: the benchmark suite (kvbroker/bench.py): a table on the terminal, JSON with --json / --out.
 """
 
@@ -17,7 +18,7 @@ import os
 import signal
 import sys
 
-from kvbroker import logs
+from kvbroker import bench, logs, probe, status
 from kvbroker.config import Settings, add_settings_arguments, settings_from_args
 
 log = logging.getLogger("kvbroker")
@@ -73,13 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     demo_cmd.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     demo_cmd.add_argument("--seed", type=int, default=0)
     demo_cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
-    from kvbroker import status
-
     status.add_arguments(commands.add_parser("status", help="show a running broker's engines, peers and counters"))
-    bench_cmd = commands.add_parser("bench", help="measure data and control plane, planner, registration")
-    from kvbroker import bench
-
-    bench.add_arguments(bench_cmd)
+    probe.add_arguments(commands.add_parser("health", help="exit 0 if a broker's grpc.health.v1 says SERVING"))
+    bench.add_arguments(commands.add_parser("bench", help="measure data and control plane, planner, registration"))
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -99,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(bench.run(args))
     if args.command == "status":
         return status.run(args)
+    if args.command == "health":
+        return probe.run(args)
     return 2
 
 
