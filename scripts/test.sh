@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
+export PATH="$PWD/.venv/bin:$PATH"  # grpcurl, hadolint, kubectl and kvbroker come with the venv
 set +e
 scripts/in-netns.sh .venv/bin/python -m pytest -p no:cacheprovider "$@"
 code=$?
