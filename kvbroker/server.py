@@ -22,6 +22,7 @@ from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer
 from kvbroker.backends import create_backend
 from kvbroker.broker import Broker, Limits
 from kvbroker.config import Settings
+from kvbroker.edge import MalformedRequests
 from kvbroker.metrics import Metrics
 from kvbroker.peer import PeerClients, PeerServicer
 from kvbroker.service import BrokerServicer
@@ -83,7 +84,8 @@ class BrokerServer:
         limit = self.settings.max_message_bytes
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
                                           ("grpc.max_send_message_length", limit),
-                                          ("grpc.so_reuseport", 0)])
+                                          ("grpc.so_reuseport", 0)],
+                                 interceptors=[MalformedRequests()])
         servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         reflection.enable_server_reflection(
