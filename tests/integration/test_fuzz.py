@@ -521,6 +521,43 @@ async def test_fuzz_get_broker_info(world):
     await run_fuzz(world, run)
 
 
+# -- any bytes, to every method -------------------------------------------------------------------
+
+METHODS = [("local", f"/kvbroker.v1.BrokerService/{m.name}", m.server_streaming)
+           for m in bpb.DESCRIPTOR.services_by_name["BrokerService"].methods] + \
+          [("peer", f"/kvbroker.v1.PeerService/{m.name}", m.server_streaming)
+           for m in ppb.DESCRIPTOR.services_by_name["PeerService"].methods]
+
+
+async def test_fuzz_raw_request_bytes_to_every_method(world):
+    """Bytes that are not a valid message (truncated, corrupt varints, wrong wire types) are refused
+    as INVALID_ARGUMENT; bytes that happen to parse take the ordinary paths."""
+
+    @FUZZ
+    @given(st.sampled_from(METHODS), st.sampled_from(["prefill", "decode"]),
+           st.one_of(st.binary(max_size=512), st.sampled_from([b"\xff", b"\x0a\x05ab", b"\x08\xff\xff", b"\x0f"])))
+    def run(fuzzer, method, where, raw):
+        kind, path, streaming = method
+        channel = fuzzer.channels[where if kind == "local" else f"{where}_peer"]
+        if streaming:
+            call = channel.unary_stream(path, request_serializer=None, response_deserializer=None)(raw, timeout=10)
+            try:
+                next(call)
+                code = None
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+            finally:
+                call.cancel()
+            fuzzer.check_alive(path, raw)
+            fuzzer.outcomes[f"raw {code.name if code else 'OK'}"] += 1
+            assert code in DOCUMENTED | {None}, f"{path} answered {code} ({details}) to {raw!r}"
+        else:
+            fuzzer.call(channel.unary_unary(path, request_serializer=None, response_deserializer=None), raw,
+                        f"raw {path}")
+
+    await run_fuzz(world, run)
+
+
 # -- PeerService -----------------------------------------------------------------------------------
 
 async def test_fuzz_handshake(world):
