@@ -694,6 +694,10 @@ async def test_fuzz_transfer_against_a_lying_peer(world, liar):
         hello.engine.engine_id = remote
         if data.draw(st.booleans()):
             hello.backend_metadata = data.draw(scalar(metadata, w.known))
+        shift = data.draw(st.sampled_from([0, 0, 1, -4096, 1 << 20, 1 << 40, None]))
+        for component in hello.engine.components:  # point the writes elsewhere in (or out of) the peer
+            for buffer in component.layer_buffers:
+                buffer.address = data.draw(U64) if shift is None else max(0, buffer.address + shift) % 2**64
         components = data.draw(COMPONENTS)
         claim = ppb.ClaimGrantResponse(
             dst_page_ids=data.draw(PAGES), epoch=real.epoch, generation=real.generation, claim_token=data.draw(ODD),
