@@ -315,6 +315,16 @@ async def _control_worker(config: dict, prefill, decode, window: Window, concurr
             window.transfer_s.append(t2 - t1)
 
 
+async def _floor_worker(client, window: Window) -> None:
+    """The cheapest broker call (GetBrokerInfo) in a loop: what one unary RPC costs on this stack."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < window.end:
+        started = time.perf_counter()
+        await client.info()
+        if window.begin <= loop.time() <= window.end:
+            window.transfer_s.append(time.perf_counter() - started)
+
+
 async def _control_child(config: dict) -> dict:
     """Grant + one-page Transfer in a loop from `c` concurrent workers, for each concurrency."""
     from kvbroker_client.client import BrokerClient
@@ -322,24 +332,68 @@ async def _control_child(config: dict) -> dict:
     loop = asyncio.get_running_loop()
     prefill = await BrokerClient.connect(config["prefill"])
     decode = await BrokerClient.connect(config["decode"])
-    results = []
+    results, floor = [], []
     try:
         for concurrency in config["concurrency"]:
             begin = loop.time() + config["warmup_s"]
             window = Window(begin, begin + config["seconds"])
-            await asyncio.gather(*(_control_worker(config, prefill, decode, window, concurrency, w)
-                                   for w in range(concurrency)))
+            cpu, _ = await asyncio.gather(
+                _cpu_over(window, config["broker_pids"]),
+                asyncio.gather(*(_control_worker(config, prefill, decode, window, concurrency, w)
+                                 for w in range(concurrency))))
+            requests = len(window.transfer_s)
             results.append({
-                "concurrency": concurrency, "requests": len(window.transfer_s), "seconds": config["seconds"],
-                "requests_per_s": len(window.transfer_s) / config["seconds"],
+                "concurrency": concurrency, "requests": requests, "seconds": config["seconds"],
+                "requests_per_s": requests / config["seconds"],
                 "transfer_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
                 "grant_ms": _percentiles(np.asarray(window.grant_s) * 1e3),
                 "errors": len(window.errors), "first_error": window.errors[0] if window.errors else "",
+                "cpu_ms_per_request": {k: round(v * 1e3 / max(requests, 1), 4) for k, v in cpu.items()
+                                       if k != "machine_busy_cores"},
+                "machine_busy_cores": round(cpu["machine_busy_cores"], 2),
             })
+        for concurrency in sorted({1, max(config["concurrency"])}):
+            begin = loop.time() + config["warmup_s"]
+            window = Window(begin, begin + config["seconds"])
+            cpu, _ = await asyncio.gather(_cpu_over(window, {"broker": config["broker_pids"]["prefill_broker"]}),
+                                          asyncio.gather(*(_floor_worker(prefill, window)
+                                                           for _ in range(concurrency))))
+            calls = len(window.transfer_s)
+            floor.append({"concurrency": concurrency, "calls_per_s": calls / config["seconds"],
+                          "call_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
+                          "cpu_ms_per_call": {k: round(v * 1e3 / max(calls, 1), 4) for k, v in cpu.items()
+                                              if k != "machine_busy_cores"}})
     finally:
         await prefill.close()
         await decode.close()
-    return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results}
+    return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor}
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _machine_busy_s() -> float:
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+async def _cpu_over(window: Window, broker_pids: dict[str, int]) -> dict[str, float]:
+    """CPU-seconds each broker and this client spent inside the window, and the machine's busy cores."""
+    loop = asyncio.get_running_loop()
+
+    def sample() -> dict[str, float]:
+        now = {name: _process_cpu_s(pid) for name, pid in broker_pids.items()}
+        return {**now, "client": time.process_time(), "machine": _machine_busy_s()}
+
+    await asyncio.sleep(max(0.0, window.begin - loop.time()))
+    first = sample()
+    await asyncio.sleep(max(0.0, window.end - loop.time()))
+    last = sample()
+    spent = {k: last[k] - first[k] for k in first}
+    spent["machine_busy_cores"] = spent.pop("machine") / (window.end - window.begin)
+    return spent
 
 
 def _percentiles(values: np.ndarray) -> dict:
@@ -468,7 +522,8 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                      "scattered": "every page its own run (random permutations)"},
         "timing": {"broker": "client-observed BrokerClient.transfer (grant issued beforehand)",
                    "direct": "Backend.write in one process, same descriptors", "statistic": "median",
-                   "repeats": plan.repeats, "warmup": plan.warmup},
+                   "repeats": plan.repeats, "repeats_from_1_gib": min(plan.repeats, 3), "warmup": plan.warmup,
+                   "order": "broker and direct alternate within each repeat"},
         "cases": cases, "memcpy": memcpy,
     }
 
@@ -478,7 +533,8 @@ async def _one_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg,
     planned = await side.direct.ask(op="plan", src_ids=src_ids.tolist(), dst_ids=dst_ids.tolist())
     broker_s, direct_s, duration_us = [], [], []
     verified, status = True, None
-    for rep in range(plan.warmup + plan.repeats):
+    repeats = plan.repeats if size_mib < 1024 else min(plan.repeats, 3)  # a GiB scattered takes seconds
+    for rep in range(plan.warmup + repeats):
         first = rep == 0
         if first:
             dst_seg.array[:] = 0
@@ -507,6 +563,7 @@ async def _one_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg,
         "broker_s": [round(s, 6) for s in broker_s], "direct_s": [round(s, 6) for s in direct_s],
         "broker_duration_us_median": int(statistics.median(duration_us)),
         "broker_gbps": round(broker_gbps, 4), "direct_gbps": round(direct_gbps, 4),
+        "broker_overhead_ms": round((statistics.median(broker_s) - statistics.median(direct_s)) * 1e3, 3),
         "ratio": round(broker_gbps / direct_gbps, 4), "direct_plan_s": round(planned["plan_s"], 6),
         "verified": bool(verified and status.bytes == nbytes and status.runs == planned["runs"]),
     }
@@ -525,7 +582,7 @@ def _memcpy(size_mib: int, nbytes: int, src: np.ndarray, dst: np.ndarray, repeat
 async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
     from kvbroker_client.shm import SharedSegment
 
-    runs = []
+    runs, floor = [], []
     placements = demo.place_buffers(CONTROL)
     size = demo.pool_size(CONTROL, placements)
     for side in sides:
@@ -543,7 +600,8 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                               "peer": side.decode.peer_listen, "prefill_engine": engines[0],
                               "decode_engine": engines[1], "concurrency": list(plan.concurrency),
                               "seconds": plan.control_seconds, "warmup_s": plan.control_warmup_s,
-                              "loop": loop_name, "tag": f"{side.backend}-{loop_name}"}
+                              "loop": loop_name, "tag": f"{side.backend}-{loop_name}",
+                              "broker_pids": {"prefill_broker": side.prefill.pid, "decode_broker": side.decode.pid}}
                     say(f"control plane: {side.backend}, client on {loop_name}, "
                         f"concurrency {plan.concurrency}")
                     child = await Child.start("control", json.dumps(config))
@@ -553,6 +611,8 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                         report = await child.reply(timeout=budget)
                     finally:
                         await child.stop()
+                    for r in report["rpc_floor"]:
+                        floor.append({"backend": side.backend, "client_loop": loop_name, **r})
                     for r in report["results"]:
                         runs.append({"backend": side.backend, "client_loop": loop_name,
                                      "client_loop_class": report["loop"], **r})
@@ -568,7 +628,11 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
         "request": "ExpectTransfer on the decode broker, then Transfer of 1 page on the prefill broker",
         "varied": "the client's event loop (uvloop or asyncio's default), in its own process; "
                   "both brokers always run uvloop (kvbroker serve)",
+        "cpu": "cpu_ms_per_request: CPU time each process spent in the window / requests completed in it; "
+               "machine_busy_cores: busy time of all CPUs / window (equal to the CPU count when saturated)",
         "runs": runs,
+        "rpc_floor": floor,
+        "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer",
     }
 
 
@@ -809,7 +873,7 @@ def _render_control(control: dict) -> list[str]:
     lines = ["", (f"Control plane: grant + one-page Transfer ({engine['page_bytes'] // 1024} KiB over "
                   f"{engine['layer_buffers']} layer buffers); varied: the client's loop; brokers on uvloop"),
              (f"{'backend':9}{'client':9}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>7}"
-              "  target")]
+              f"{'cpu ms/req P+D+client':>23}{'busy cores':>11}  target")]
     for r in control["runs"]:
         target = ""
         if r["concurrency"] == 1:
@@ -818,8 +882,16 @@ def _render_control(control: dict) -> list[str]:
             target = f"req/s {_mark(TARGETS['rps'].met(r['requests_per_s']))} >=2000"
         p50, p99 = (float("nan") if r["transfer_ms"][k] is None else r["transfer_ms"][k]
                     for k in ("p50", "p99"))
+        cpu = r.get("cpu_ms_per_request", {})
+        split = "+".join(f"{cpu.get(k, float('nan')):.2f}" for k in ("prefill_broker", "decode_broker", "client"))
         lines.append(f"{r['backend']:9}{r['client_loop']:9}{r['concurrency']:>5}{r['requests_per_s']:>9.0f}"
-                     f"{p50:>9.3f}{p99:>9.3f}{r['errors']:>7}  {target}")
+                     f"{p50:>9.3f}{p99:>9.3f}{r['errors']:>7}{split:>23}{r.get('machine_busy_cores', 0):>11.2f}"
+                     f"  {target}")
+    for f in control.get("rpc_floor", []):
+        cpu = f"{f['cpu_ms_per_call'].get('broker', 0):.2f}+{f['cpu_ms_per_call'].get('client', 0):.2f}"
+        lines.append(f"{f['backend']:9}{f['client_loop']:9}{f['concurrency']:>5}{f['calls_per_s']:>9.0f}"
+                     f"{f['call_ms']['p50'] or float('nan'):>9.3f}{f['call_ms']['p99'] or float('nan'):>9.3f}"
+                     f"{'':>7}{cpu + '  ':>23}{'':>11}  floor: one GetBrokerInfo (broker+client cpu)")
     return lines
 
 
