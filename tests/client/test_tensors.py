@@ -9,7 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker_client import BufferRole, Component, KvDtype, Layout, SharedMemoryRef, Topology, TransferState
+from kvbroker_client import (
+    BufferRole,
+    Component,
+    CudaIpcRef,
+    KvDtype,
+    Layout,
+    SharedMemoryRef,
+    Topology,
+    TransferState,
+)
 from kvbroker_client.tensors import (
     SegmentMap,
     SharedPool,
@@ -102,10 +111,14 @@ def test_non_cpu_tensor_is_refused(pool):
         memory_ref(torch.empty(4, 4, device="meta"), pool)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tensor_is_refused_until_cuda_ipc_lands(pool):
-    with pytest.raises(NotImplementedError, match="issue 8"):
-        memory_ref(torch.zeros(4, 4, device="cuda"), pool)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC export needs a CUDA device (CPU torch here)")
+def test_cuda_tensor_resolves_to_its_allocation_handle_and_offset(pool):
+    whole = torch.zeros(64, 16, dtype=torch.uint8, device="cuda")
+    ref = memory_ref(whole[8:], pool)  # the segment map is not consulted for GPU memory
+    assert isinstance(ref, CudaIpcRef) and len(ref.handle) == 64
+    assert ref.device == whole.device.index
+    assert ref.offset == memory_ref(whole, pool).offset + 8 * 16
+    assert ref.offset + 56 * 16 <= ref.allocation_size
 
 
 def test_tensor_shared_by_torch_with_file_descriptors_is_refused_with_a_hint():

@@ -11,8 +11,9 @@ A buffer is a C-contiguous [num_pages, ...] array or tensor: item_len (one page'
 torch's own shared memory (`share_memory_()` under the "file_system" sharing strategy) resolve
 without a segment. torch is imported only when a torch tensor is made or passed in.
 
-GPU memory (CUDA tensors) registers by CUDA IPC handle, which is issue 8: `memory_ref` refuses it
-with a clear error until then, in one place (`_cuda_ipc_ref`).
+GPU memory: a CUDA tensor resolves to a CudaIpcRef (`cuda_ipc_ref`), from torch's own CUDA IPC
+export (`torch.multiprocessing.reductions.reduce_tensor`): the 64-byte cudaIpcMemHandle_t of the
+caching allocator's block the tensor lives in, and the tensor's offset in it. No segment is needed.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class _Extent:
 def _extent(x: ArrayLike) -> _Extent:
     if _is_torch(x):
         if x.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"tensor on device {x.device}: only CPU tensors in shared memory can be registered")
+            raise ValueError(f"tensor on device {x.device}: only CPU tensors in shared memory and CUDA tensors "
+                             "can be registered")
         if not x.is_contiguous():
             raise ValueError("tensor is not contiguous; a layer buffer must be one contiguous region")
         nbytes = x.numel() * x.element_size()
@@ -76,15 +78,54 @@ def _extent(x: ArrayLike) -> _Extent:
     raise TypeError(f"expected a numpy array or a torch tensor, got {type(x).__name__}")
 
 
-def _cuda_ipc_ref(tensor) -> CudaIpcRef:
-    """GPU memory, the hook of issue 8: the CudaIpcRef of the CUDA IPC handle of the tensor's allocation.
+IPC_HANDLE_SIZE = 64  # sizeof(cudaIpcMemHandle_t)
 
-    To come: torch's CUDA storage sharing gives the handle, the allocation's size and the tensor's
-    offset in it; the broker opens the handle once at registration.
+
+def ipc_mem_handle(storage_handle: bytes) -> bytes:
+    """The cudaIpcMemHandle_t inside a torch CUDA storage handle.
+
+    torch writes a version byte, a type byte and the payload; type 'c' (a cudaMalloc block) carries
+    the 64-byte handle, which is all a broker needs. Older torch wrote the bare 64 bytes. Type 'e'
+    (expandable segments) carries no cudaIpcMemHandle_t at all.
     """
-    raise NotImplementedError(
-        f"CUDA tensor on {tensor.device}: registering GPU memory by CUDA IPC handle is not implemented yet "
-        "(issue 8); stage the cache in host shared memory (SharedPool) for now")
+    handle = bytes(storage_handle)
+    if len(handle) == IPC_HANDLE_SIZE:
+        return handle
+    if len(handle) == IPC_HANDLE_SIZE + 2 and handle[1:2] == b"c":
+        return handle[2:]
+    if len(handle) >= 2 and handle[1:2] == b"e":
+        raise ValueError("the tensor is in an expandable segment, which has no CUDA IPC handle a broker can open; "
+                         "allocate the KV cache with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False")
+    raise ValueError(f"unrecognised torch CUDA storage handle of {len(handle)} bytes")
+
+
+def cuda_ipc_ref_from_reduction(rebuild_args: Sequence[Any], tensor_offset_bytes: int) -> CudaIpcRef:
+    """The CudaIpcRef of the arguments torch's reduce_tensor gives to rebuild_cuda_tensor.
+
+    Those carry the device, the storage handle, the storage's size and its offset in the block;
+    `tensor_offset_bytes` is the tensor's own offset in its storage. allocation_size is the end of
+    the storage in the block: what this tensor's owner vouches for, never more than the block.
+    """
+    device, storage_handle, storage_size, storage_offset = rebuild_args[6:10]
+    return CudaIpcRef(ipc_mem_handle(storage_handle), int(device), storage_offset + tensor_offset_bytes,
+                      storage_offset + storage_size)
+
+
+def cuda_ipc_ref(tensor) -> CudaIpcRef:
+    """Where a CUDA tensor's bytes are, as a CUDA IPC reference a broker opens once at registration.
+
+    torch counts the consumers of a shared block and keeps it out of its cache until they release
+    it; a broker never does, so the block of a registered tensor is not reused by torch's allocator
+    for the life of the process, even after the tensor is freed (a KV cache lives that long anyway).
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    if tensor.device.type != "cuda":
+        raise ValueError(f"tensor on {tensor.device} is not a CUDA tensor")
+    rebuild, args = reduce_tensor(tensor.detach())
+    if rebuild is not rebuild_cuda_tensor:
+        raise ValueError(f"torch shared the CUDA tensor through {rebuild.__name__}, not rebuild_cuda_tensor")
+    return cuda_ipc_ref_from_reduction(args, tensor.storage_offset() * tensor.element_size())
 
 
 def _segment_address(segment: SharedSegment) -> int:
@@ -150,7 +191,7 @@ def memory_ref(x: ArrayLike, segments: SegmentMap | SharedSegment | SharedPool |
     """Where the bytes of `x` live, as a broker names them."""
     extent = _extent(x)
     if _is_torch(x) and x.device.type == "cuda":
-        return _cuda_ipc_ref(x)
+        return cuda_ipc_ref(x)
     segment_map = SegmentMap.of(segments)
     try:
         return segment_map.resolve(extent.address, extent.nbytes)
@@ -304,5 +345,5 @@ class SharedPool:
         self.close()
 
 
-__all__ = ["SegmentMap", "SharedPool", "flat_component", "kv_dtype", "kv_split_component", "layer_buffer",
-           "memory_ref"]
+__all__ = ["SegmentMap", "SharedPool", "cuda_ipc_ref", "cuda_ipc_ref_from_reduction", "flat_component",
+           "ipc_mem_handle", "kv_dtype", "kv_split_component", "layer_buffer", "memory_ref"]
