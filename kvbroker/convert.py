@@ -14,6 +14,7 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 from kvbroker.errors import invalid
 from kvbroker.model import (
+    BrokerAllocation,
     BufferLayout,
     ComponentKind,
     ComponentLayout,
@@ -24,6 +25,7 @@ from kvbroker.model import (
     KvDtype,
     LayerBufferSpec,
     Layout,
+    MemoryKind,
     Role,
     SharedMemoryRef,
     Topology,
@@ -32,7 +34,8 @@ from kvbroker.transfers import TransferStatus
 
 E = TypeVar("E")
 
-_PREFIX = {ComponentKind: "COMPONENT_", Layout: "LAYOUT_", Role: "BUFFER_ROLE_", KvDtype: "KV_DTYPE_"}
+_PREFIX = {ComponentKind: "COMPONENT_", Layout: "LAYOUT_", Role: "BUFFER_ROLE_", KvDtype: "KV_DTYPE_",
+           MemoryKind: "MEMORY_KIND_"}
 
 
 def enum_in(kind: type[E], value: int, field_name: str) -> E:
@@ -78,9 +81,26 @@ def _memory_out(m: SharedMemoryRef | CudaIpcRef | None) -> pb.MemoryRef:
     return pb.MemoryRef()
 
 
+def _broker_allocation_in(req: bpb.RegisterEngineRequest) -> BrokerAllocation | None:
+    ownership = req.memory_ownership
+    if ownership in (bpb.MEMORY_OWNERSHIP_UNSPECIFIED, bpb.MEMORY_OWNERSHIP_SERVER):
+        if req.allocation_device:
+            raise invalid(f"allocation_device: {req.allocation_device} is set, but only MEMORY_OWNERSHIP_BROKER "
+                          "allocates; leave it 0")
+        return None
+    if ownership == bpb.MEMORY_OWNERSHIP_BROKER:
+        return BrokerAllocation(req.allocation_device)
+    raise invalid(f"memory_ownership: MEMORY_OWNERSHIP_{ownership} is not a known value")
+
+
+def memory_ownership_out(spec: EngineSpec) -> int:
+    return bpb.MEMORY_OWNERSHIP_SERVER if spec.broker_allocation is None else bpb.MEMORY_OWNERSHIP_BROKER
+
+
 def engine_spec_in(req: bpb.RegisterEngineRequest) -> EngineSpec:
     if not req.HasField("topology"):
         raise invalid("topology: is required")
+    allocation = _broker_allocation_in(req)
     components = []
     for i, c in enumerate(req.components):
         where = f"components[{i}]"
@@ -91,7 +111,7 @@ def engine_spec_in(req: bpb.RegisterEngineRequest) -> EngineSpec:
         )
         components.append(ComponentSpec(enum_in(ComponentKind, c.component, f"{where}.component"),
                                         enum_in(Layout, c.layout, f"{where}.layout"), c.num_pages, buffers))
-    return EngineSpec(req.engine_id, topology_in(req.topology), tuple(components))
+    return EngineSpec(req.engine_id, topology_in(req.topology), tuple(components), allocation)
 
 
 def component_spec_out(c: ComponentSpec) -> pb.ComponentSpec:
@@ -121,12 +141,17 @@ def engine_layout_out(layout: EngineLayout) -> ppb.PeerEngine:
             ppb.PeerComponent(
                 component=int(c.kind), layout=int(c.layout), num_pages=c.num_pages,
                 layer_buffers=[ppb.PeerLayerBuffer(layer_id=b.layer_id, role=int(b.role), address=b.address,
-                                                   length=b.length, item_len=b.item_len, device=b.device)
+                                                   length=b.length, item_len=b.item_len, device=b.device,
+                                                   memory_kind=int(b.memory_kind))
                                for b in c.buffers],
             )
             for c in layout.components.values()
         ],
     )
+
+
+def _memory_kind_in(value: int, field_name: str) -> MemoryKind:
+    return MemoryKind.HOST if value == pb.MEMORY_KIND_UNSPECIFIED else enum_in(MemoryKind, value, field_name)
 
 
 def engine_layout_in(e: ppb.PeerEngine) -> EngineLayout:
@@ -136,9 +161,13 @@ def engine_layout_in(e: ppb.PeerEngine) -> EngineLayout:
         kind = enum_in(ComponentKind, c.component, f"{where}.components[{i}].component")
         buffers = tuple(sorted(
             (BufferLayout(b.layer_id, enum_in(Role, b.role, f"{where}.components[{i}].role"), b.address, b.length,
-                          b.item_len, b.device) for b in c.layer_buffers),
+                          b.item_len, b.device, _memory_kind_in(b.memory_kind, f"{where}.components[{i}].memory_kind"))
+             for b in c.layer_buffers),
             key=lambda b: (b.layer_id, b.role),
         ))
         components[kind] = ComponentLayout(kind, enum_in(Layout, c.layout, f"{where}.components[{i}].layout"),
                                            c.num_pages, buffers)
+    kinds = {b.memory_kind for c in components.values() for b in c.buffers}
+    if len(kinds) > 1:
+        raise invalid(f"{where}: the peer engine's layer buffers mix host and GPU memory")
     return EngineLayout(e.engine_id, topology_in(e.topology, f"{where}.topology"), components)

@@ -1,8 +1,15 @@
 """Resolving memory references into addresses this process (and its transfer engine) can use.
 
-Host memory: a named POSIX shared-memory segment (/dev/shm/<name>) that the inference server
-created; the broker maps it read-write and keeps it mapped until the engine unregisters. The
-broker never creates or unlinks a segment: the server owns it.
+Host memory: `map_shared_memory` maps a named POSIX shared-memory segment (/dev/shm/<name>) that
+the inference server created, read-write, until the engine unregisters. The broker never creates
+or unlinks a segment: the server owns it.
+
+GPU memory: `check_cuda_ref` validates a CUDA IPC reference without touching a GPU (pure);
+`GpuMemory`, one per Registry, opens each server allocation once (`import_allocation`, shared by
+every layer buffer and engine that names the same handle, closed when the last one lets go) and
+allocates broker-owned pools (`allocate_pool`, laid out by the pure `plan_pool`). It loads the CUDA
+driver on the first GPU reference; a broker without one refuses GPU references, naming the field.
+Everything here is called by the Registry, on the event loop, while it builds or releases an engine.
 """
 
 from __future__ import annotations
@@ -11,13 +18,19 @@ import ctypes
 import mmap
 import os
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from kvbroker.errors import invalid
+from kvbroker.cuda import IPC_HANDLE_SIZE, CudaError, CudaUnavailable, OpenedAllocation, load_driver
+from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.model import CudaIpcRef
 
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 SHM_DIR = Path("/dev/shm")
+MAX_DEVICE_ORDINAL = 255  # plausibility bound checked before any driver is asked
+POOL_ALIGNMENT = 4096  # bytes; every layer buffer of a broker-owned pool starts on such a boundary
 
 
 @dataclass
@@ -53,3 +66,174 @@ def map_shared_memory(name: str, field_name: str) -> MappedSegment:
         os.close(fd)
     anchor = (ctypes.c_char * size).from_buffer(mm)
     return MappedSegment(name, size, ctypes.addressof(anchor), mm, anchor)
+
+
+def check_cuda_ref(ref: CudaIpcRef, length: int, field_name: str) -> None:
+    """Everything about a CUDA IPC reference that can be checked without a GPU; `field_name` ends in .cuda_ipc."""
+    if len(ref.handle) != IPC_HANDLE_SIZE:
+        hint = ""
+        if len(ref.handle) == IPC_HANDLE_SIZE + 2 and ref.handle[1:2] == b"c":
+            hint = ("; this looks like torch's storage handle (a version byte, 'c', then the handle): send "
+                    "its last 64 bytes, as kvbroker_client.tensors does")
+        raise invalid(f"{field_name}.handle: must be the {IPC_HANDLE_SIZE}-byte cudaIpcMemHandle_t, "
+                      f"got {len(ref.handle)} bytes{hint}")
+    if not any(ref.handle):
+        raise invalid(f"{field_name}.handle: all {IPC_HANDLE_SIZE} bytes are zero, which no cudaIpcGetMemHandle "
+                      "returns")
+    if ref.device > MAX_DEVICE_ORDINAL:
+        raise invalid(f"{field_name}.device: {ref.device} is not a plausible CUDA device ordinal "
+                      f"(at most {MAX_DEVICE_ORDINAL})")
+    if ref.allocation_size == 0:
+        raise invalid(f"{field_name}.allocation_size: must be greater than zero")
+    if ref.offset + length > ref.allocation_size:
+        raise invalid(f"{field_name}: offset {ref.offset} + length {length} exceeds allocation_size "
+                      f"{ref.allocation_size}")
+
+
+def plan_pool(lengths: Sequence[int], alignment: int = POOL_ALIGNMENT) -> tuple[list[int], int]:
+    """Offsets of buffers laid out back to back in one pool, each aligned; and the pool's size."""
+    offsets, end = [], 0
+    for length in lengths:
+        start = -(-end // alignment) * alignment
+        offsets.append(start)
+        end = start + length
+    return offsets, -(-end // alignment) * alignment
+
+
+class GpuDriver(Protocol):
+    """What GpuMemory needs from CUDA: kvbroker.cuda.CudaDriver, or a stand-in in tests."""
+
+    device_count: int
+
+    def open_ipc(self, handle: bytes, device: int) -> OpenedAllocation: ...
+
+    def close_ipc(self, address: int, device: int) -> None: ...
+
+    def allocate(self, device: int, size: int) -> tuple[int, bytes]: ...
+
+    def free(self, address: int, device: int) -> None: ...
+
+
+@dataclass
+class ImportedAllocation:
+    """One server allocation opened in this process; `users` counts the engines holding it."""
+
+    handle: bytes = field(repr=False)
+    device: int
+    address: int
+    size: int
+    users: int = 0
+
+
+@dataclass
+class ImportLease:
+    """One engine's hold on an imported allocation; `close` lets go of it."""
+
+    allocation: ImportedAllocation
+    _owner: GpuMemory = field(repr=False)
+    _open: bool = True
+
+    @property
+    def address(self) -> int:
+        return self.allocation.address
+
+    @property
+    def size(self) -> int:
+        return self.allocation.size
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._owner._let_go(self.allocation)
+
+
+@dataclass
+class BrokerPool:
+    """GPU memory the broker allocated for one engine and exports by `handle`; `close` frees it."""
+
+    device: int
+    address: int
+    size: int
+    handle: bytes = field(repr=False)
+    _driver: GpuDriver = field(repr=False)
+    _open: bool = True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            self._driver.free(self.address, self.device)
+
+
+class GpuMemory:
+    """The broker's GPU memory: imported server allocations and broker-owned pools."""
+
+    def __init__(self, load: Callable[[], GpuDriver] = load_driver) -> None:
+        self._load = load
+        self._loaded: GpuDriver | None = None
+        self._unavailable = ""
+        self._imports: dict[tuple[int, bytes], ImportedAllocation] = {}
+
+    @property
+    def imports(self) -> list[ImportedAllocation]:
+        return list(self._imports.values())
+
+    def driver(self, field_name: str) -> GpuDriver:
+        """The CUDA driver, loaded on first use; without one, INVALID_ARGUMENT naming `field_name`."""
+        if self._loaded is None and not self._unavailable:
+            try:
+                self._loaded = self._load()
+            except CudaUnavailable as exc:
+                self._unavailable = str(exc)
+        if self._loaded is None:
+            raise invalid(f"{field_name}: this broker has no CUDA support; use shared_memory ({self._unavailable})")
+        return self._loaded
+
+    def _device(self, driver: GpuDriver, device: int, field_name: str) -> None:
+        if device >= driver.device_count:
+            raise invalid(f"{field_name}: {device} is not a CUDA device of this broker, which sees "
+                          f"{driver.device_count}; the broker and the server must see the same GPUs")
+
+    def import_allocation(self, ref: CudaIpcRef, field_name: str) -> ImportLease:
+        """Open (or share the open of) the allocation `ref` names, checked against what the driver reports."""
+        driver = self.driver(field_name)
+        self._device(driver, ref.device, f"{field_name}.device")
+        key = (ref.device, bytes(ref.handle))
+        allocation = self._imports.get(key)
+        if allocation is None:
+            try:
+                opened = driver.open_ipc(key[1], ref.device)
+            except CudaError as exc:
+                raise invalid(f"{field_name}.handle: the CUDA driver cannot open it ({exc.name}); the server "
+                              "must be alive on this node and the broker see its GPUs") from None
+            allocation = ImportedAllocation(key[1], ref.device, opened.address, opened.size)
+            if opened.device != ref.device:
+                driver.close_ipc(opened.address, ref.device)
+                raise invalid(f"{field_name}.device: declared {ref.device}, but the allocation is on device "
+                              f"{opened.device} as this broker numbers them; give both the same "
+                              "CUDA_VISIBLE_DEVICES")
+            self._imports[key] = allocation
+        lease = ImportLease(allocation, self)
+        allocation.users += 1
+        if ref.allocation_size > allocation.size:
+            lease.close()
+            raise invalid(f"{field_name}.allocation_size: {ref.allocation_size} bytes declared, but the "
+                          f"allocation of this handle has {allocation.size}")
+        return lease
+
+    def _let_go(self, allocation: ImportedAllocation) -> None:
+        allocation.users -= 1
+        if allocation.users == 0:
+            del self._imports[(allocation.device, allocation.handle)]
+            self.driver("cuda_ipc").close_ipc(allocation.address, allocation.device)
+
+    def allocate_pool(self, device: int, size: int, field_name: str) -> BrokerPool:
+        """`size` zeroed bytes on `device`, owned by the broker and exported by IPC handle."""
+        driver = self.driver(field_name)
+        self._device(driver, device, field_name)
+        try:
+            address, handle = driver.allocate(device, size)
+        except CudaError as exc:
+            code = Code.RESOURCE_EXHAUSTED if exc.out_of_memory else Code.INTERNAL
+            raise BrokerError(code, f"{field_name}: cannot allocate {size} bytes on CUDA device {device}: "
+                                    f"{exc}") from None
+        return BrokerPool(device, address, size, handle, driver)

@@ -37,6 +37,13 @@ class KvDtype(enum.IntEnum):
     UINT8 = 7
 
 
+class MemoryKind(enum.IntEnum):
+    """Where a layer buffer's bytes live, as a transfer engine registers them."""
+
+    HOST = 1
+    GPU = 2
+
+
 class State(enum.IntEnum):
     PENDING = 1
     TRANSFERRING = 2
@@ -103,10 +110,18 @@ class ComponentSpec:
 
 
 @dataclass(frozen=True)
+class BrokerAllocation:
+    """The engine asks the broker to allocate its layer buffers, in one GPU pool on `device`."""
+
+    device: int
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     engine_id: str
     topology: Topology
     components: tuple[ComponentSpec, ...]
+    broker_allocation: BrokerAllocation | None = None  # None: the server provides every buffer's memory
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,7 @@ class BufferLayout:
     length: int
     item_len: int
     device: int = 0
+    memory_kind: MemoryKind = MemoryKind.HOST
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `plan_runs` splits a pair of page-id lists into runs (maximal stretches where both ids step by
 +1); `build_descriptors` turns runs into one (address, length, device) row per run per layer
-buffer, for the source and the destination side, ready for a transfer engine.
+buffer, for the source and the destination side, ready for a transfer engine, each side with the
+one memory kind (host or GPU) of its buffers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker.model import BufferLayout
+from kvbroker.model import BufferLayout, MemoryKind
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ def plan_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
 class Descriptors:
     src: np.ndarray  # (n, 3) uint64: address, length in bytes, device
     dst: np.ndarray  # (n, 3) uint64, row i is where src row i lands
+    src_memory_kind: MemoryKind = MemoryKind.HOST
+    dst_memory_kind: MemoryKind = MemoryKind.HOST
 
     @property
     def count(self) -> int:
@@ -88,15 +91,24 @@ def _side(buffers: Sequence[BufferLayout], starts: np.ndarray, lengths: np.ndarr
     return rows.reshape(-1, 3)
 
 
+def memory_kind(buffers: Sequence[BufferLayout], side: str) -> MemoryKind:
+    """The one memory kind of a side's buffers (an engine's buffers never mix kinds; the registry sees to it)."""
+    kinds = {b.memory_kind for b in buffers}
+    if len(kinds) > 1:
+        raise ValueError(f"{side} layer buffers mix host and GPU memory")
+    return kinds.pop() if kinds else MemoryKind.HOST
+
+
 def build_descriptors(
     runs: Runs, src_buffers: Sequence[BufferLayout], dst_buffers: Sequence[BufferLayout]
 ) -> Descriptors:
     """One row per (layer buffer, run), buffer-major. Buffers pair up by position and share item_len."""
     if len(src_buffers) != len(dst_buffers):
         raise ValueError("source and destination need the same number of layer buffers")
+    kinds = memory_kind(src_buffers, "source"), memory_kind(dst_buffers, "destination")
     if not src_buffers or runs.count == 0:
         empty = np.empty((0, 3), dtype=np.uint64)
-        return Descriptors(empty, empty)
+        return Descriptors(empty, empty, *kinds)
     return Descriptors(
-        _side(src_buffers, runs.src_start, runs.length), _side(dst_buffers, runs.dst_start, runs.length)
+        _side(src_buffers, runs.src_start, runs.length), _side(dst_buffers, runs.dst_start, runs.length), *kinds
     )

@@ -1,19 +1,30 @@
 """Engines, components and layer buffers: validation of what a server registers, and lookup.
 
 `validate_spec` checks a declared engine without touching memory (pure, property-tested);
-`Registry.register` also resolves memory references, refuses overlaps with other engines and
-registers the regions with the transfer engine. Called by the Broker only.
+`Registry.build` also allocates a broker-owned pool when the engine asks for one, resolves memory
+references (memory.py) and refuses overlaps with other engines; the Broker then registers the
+regions with the transfer engine and `add`s the engine. Called by the Broker only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvbroker.errors import BrokerError, Code, invalid, not_found
-from kvbroker.memory import MappedSegment, map_shared_memory
+from kvbroker.memory import (
+    MAX_DEVICE_ORDINAL,
+    BrokerPool,
+    GpuMemory,
+    ImportLease,
+    MappedSegment,
+    check_cuda_ref,
+    map_shared_memory,
+    plan_pool,
+)
 from kvbroker.model import (
     BufferLayout,
     ComponentKind,
@@ -21,7 +32,9 @@ from kvbroker.model import (
     CudaIpcRef,
     EngineLayout,
     EngineSpec,
+    LayerBufferSpec,
     Layout,
+    MemoryKind,
     Role,
     SharedMemoryRef,
     Topology,
@@ -54,6 +67,10 @@ def validate_spec(spec: EngineSpec, max_pages: int) -> None:
     validate_topology(spec.topology)
     if not spec.components:
         raise invalid("components: at least one component is required")
+    if spec.broker_allocation is not None and spec.broker_allocation.device > MAX_DEVICE_ORDINAL:
+        raise invalid(f"allocation_device: {spec.broker_allocation.device} is not a plausible CUDA device ordinal "
+                      f"(at most {MAX_DEVICE_ORDINAL})")
+    first_kind: tuple[str, type] | None = None  # where the engine's first memory reference is, and its kind
     seen: set[ComponentKind] = set()
     for i, comp in enumerate(spec.components):
         where = f"components[{i}]"
@@ -88,14 +105,29 @@ def validate_spec(spec: EngineSpec, max_pages: int) -> None:
                     f"{at}.length: {buf.length} bytes is shorter than num_pages × item_len = "
                     f"{comp.num_pages} × {buf.item_len} = {comp.num_pages * buf.item_len}"
                 )
+            if spec.broker_allocation is not None:
+                if buf.memory is not None:
+                    raise invalid(f"{at}.memory: must be unset with MEMORY_OWNERSHIP_BROKER; the broker "
+                                  "allocates it")
+                continue
             if buf.memory is None:
                 raise invalid(f"{at}.memory: a memory reference is required")
+            if first_kind is None:
+                first_kind = (at, type(buf.memory))
+            elif type(buf.memory) is not first_kind[1]:
+                raise invalid(f"{at}.memory: {_ONEOF[type(buf.memory)]}, but {first_kind[0]} is "
+                              f"{_ONEOF[first_kind[1]]}; an engine's layer buffers are all host memory or all GPU")
+            if isinstance(buf.memory, CudaIpcRef):
+                check_cuda_ref(buf.memory, buf.length, f"{at}.memory.cuda_ipc")
         if comp.layout is Layout.KV_SPLIT:
             layers = {layer for layer, _ in keys}
             for layer in sorted(layers):
                 for role in roles:
                     if (layer, role) not in keys:
                         raise invalid(f"{where}.layer_buffers: layer {layer} has no {role.name} buffer")
+
+
+_ONEOF = {SharedMemoryRef: "shared_memory", CudaIpcRef: "cuda_ipc"}
 
 
 @dataclass(frozen=True)
@@ -110,11 +142,11 @@ class Region:
 
 @dataclass
 class Engine:
-    spec: EngineSpec
+    spec: EngineSpec  # as registered: with a broker-owned pool, each buffer's memory names its place in it
     layout: EngineLayout
     generation: int
     regions: list[Region]
-    segments: list[MappedSegment] = field(repr=False)
+    held: list[Held] = field(repr=False)  # mapped segments, imported allocations, the broker-owned pool
     backend_handle: object = None
 
     @property
@@ -126,14 +158,22 @@ class Engine:
         return sum(r.length for r in self.regions)
 
     def release(self) -> None:
-        for segment in self.segments:
-            segment.close()
-        self.segments.clear()
+        _close_all(self.held)
+
+
+class Held(Protocol):
+    def close(self) -> None: ...
+
+
+def _close_all(held: list[Held]) -> None:
+    while held:  # the pool last: it was allocated first
+        held.pop().close()
 
 
 @dataclass
 class _Span:
-    segment: str
+    memory: tuple  # ("shm", name) or ("cuda", device, handle): the spans of one memory may not overlap
+    label: str  # the memory, for messages
     start: int
     end: int
     engine_id: str
@@ -149,8 +189,10 @@ class RegistryObserver(Protocol):
 class Registry:
     """The engines of one broker. Mutated only by the Broker, on the event loop."""
 
-    def __init__(self, max_pages: int, observer: RegistryObserver | None = None) -> None:
+    def __init__(self, max_pages: int, observer: RegistryObserver | None = None, gpu: GpuMemory | None = None
+                 ) -> None:
         self._observer = observer
+        self._gpu = GpuMemory() if gpu is None else gpu
         self._engines: dict[str, Engine] = {}
         self._generations = itertools.count(1)
         self._max_pages = max_pages
@@ -175,41 +217,44 @@ class Registry:
         validate_spec(spec, self._max_pages)
         if spec.engine_id in self._engines:
             raise BrokerError(Code.ALREADY_EXISTS, f"engine_id: engine {spec.engine_id!r} is already registered")
-        spans = self._spans(spec)
-        self._check_overlaps(spans)
-        segments: dict[str, MappedSegment] = {}
+        self._check_overlaps(self._spans(spec))
+        held: list[Held] = []
         try:
+            pool = None
+            if spec.broker_allocation is not None:
+                pool, spec = self._allocate_pool(spec)
+                held.append(pool)
+            resolve = _Resolver(self._gpu, pool, held)
             components = {}
             for i, comp in enumerate(spec.components):
                 buffers = []
                 for j, buf in enumerate(comp.layer_buffers):
                     at = f"components[{i}].layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name}).memory"
-                    if isinstance(buf.memory, CudaIpcRef):
-                        raise invalid(f"{at}.cuda_ipc: this broker has no CUDA support; use shared_memory")
-                    assert isinstance(buf.memory, SharedMemoryRef)
-                    name = buf.memory.name
-                    if name not in segments:
-                        segments[name] = map_shared_memory(name, f"{at}.shared_memory.name")
-                    seg = segments[name]
-                    if buf.memory.offset + buf.length > seg.size:
-                        raise invalid(
-                            f"{at}.shared_memory: offset {buf.memory.offset} + length {buf.length} "
-                            f"exceeds segment {name!r} of {seg.size} bytes"
-                        )
-                    buffers.append(
-                        BufferLayout(buf.layer_id, buf.role, seg.address + buf.memory.offset, buf.length, buf.item_len)
-                    )
+                    address, kind, device = resolve(buf, at)
+                    buffers.append(BufferLayout(buf.layer_id, buf.role, address, buf.length, buf.item_len, device, kind))
                 buffers.sort(key=lambda b: (b.layer_id, b.role))
                 components[comp.kind] = ComponentLayout(comp.kind, comp.layout, comp.num_pages, tuple(buffers))
         except BaseException:
-            for seg in segments.values():
-                seg.close()
+            _close_all(held)
             raise
-        regions = [
-            Region(b.address, b.length, b.device, gpu=False) for c in components.values() for b in c.buffers
-        ]
+        regions = [Region(b.address, b.length, b.device, gpu=b.memory_kind is MemoryKind.GPU)
+                   for c in components.values() for b in c.buffers]
         layout = EngineLayout(spec.engine_id, spec.topology, components)
-        return Engine(spec, layout, next(self._generations), regions, list(segments.values()))
+        return Engine(spec, layout, next(self._generations), regions, held)
+
+    def _allocate_pool(self, spec: EngineSpec) -> tuple[BrokerPool, EngineSpec]:
+        """One GPU pool for every layer buffer; the spec with each buffer's memory naming its place in it."""
+        device = spec.broker_allocation.device
+        lengths = [b.length for c in spec.components for b in c.layer_buffers]
+        offsets, size = plan_pool(lengths)
+        pool = self._gpu.allocate_pool(device, size, "memory_ownership: MEMORY_OWNERSHIP_BROKER")
+        places = iter(offsets)
+        components = tuple(
+            dataclasses.replace(c, layer_buffers=tuple(
+                dataclasses.replace(b, memory=CudaIpcRef(pool.handle, device, next(places), size))
+                for b in c.layer_buffers))
+            for c in spec.components)
+        return pool, dataclasses.replace(spec, components=components)
 
     def add(self, engine: Engine) -> None:
         if engine.engine_id in self._engines:
@@ -230,20 +275,58 @@ class Registry:
         spans = []
         for i, comp in enumerate(spec.components):
             for j, buf in enumerate(comp.layer_buffers):
-                if isinstance(buf.memory, SharedMemoryRef):
-                    where = f"components[{i}].layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name})"
-                    start = buf.memory.offset
-                    spans.append(_Span(buf.memory.name, start, start + buf.length, spec.engine_id, where))
+                where = f"components[{i}].layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name})"
+                m = buf.memory
+                if isinstance(m, SharedMemoryRef):
+                    spans.append(_Span(("shm", m.name), f"segment {m.name!r}", m.offset, m.offset + buf.length,
+                                       spec.engine_id, where))
+                elif isinstance(m, CudaIpcRef):
+                    spans.append(_Span(("cuda", m.device, bytes(m.handle)),
+                                       f"CUDA allocation {bytes(m.handle[:8]).hex()}… on device {m.device}",
+                                       m.offset, m.offset + buf.length, spec.engine_id, where))
         return spans
 
     def _check_overlaps(self, spans: list[_Span]) -> None:
         others = [s for engine in self._engines.values() for s in self._spans(engine.spec)]
-        ordered = sorted(spans + others, key=lambda s: (s.segment, s.start))
-        for a, b in zip(ordered, ordered[1:]):
-            if a.segment == b.segment and b.start < a.end:
+        ordered = sorted(spans + others, key=lambda s: (s.memory, s.start))
+        for a, b in itertools.pairwise(ordered):
+            if a.memory == b.memory and b.start < a.end:
                 new, old = (a, b) if a in spans else (b, a)
                 owner = "" if old.engine_id == new.engine_id else f" of engine {old.engine_id!r}"
                 raise invalid(
-                    f"{new.where}.memory: overlaps {old.where}{owner} in segment {new.segment!r} "
+                    f"{new.where}.memory: overlaps {old.where}{owner} in {new.label} "
                     f"([{new.start}, {new.end}) and [{old.start}, {old.end}))"
                 )
+
+
+class _Resolver:
+    """Addresses of one engine's layer buffers; what it maps or opens goes on `held` (one entry per memory)."""
+
+    def __init__(self, gpu: GpuMemory, pool: BrokerPool | None, held: list[Held]) -> None:
+        self._gpu = gpu
+        self._held = held
+        self._segments: dict[str, MappedSegment] = {}
+        self._allocations: dict[tuple[int, bytes], BrokerPool | ImportLease] = {}
+        if pool is not None:
+            self._allocations[(pool.device, pool.handle)] = pool
+
+    def __call__(self, buf: LayerBufferSpec, at: str) -> tuple[int, MemoryKind, int]:
+        m = buf.memory
+        if isinstance(m, CudaIpcRef):
+            key = (m.device, bytes(m.handle))
+            allocation = self._allocations.get(key)
+            if allocation is None:
+                allocation = self._gpu.import_allocation(m, f"{at}.cuda_ipc")
+                self._held.append(allocation)
+                self._allocations[key] = allocation
+            return allocation.address + m.offset, MemoryKind.GPU, m.device
+        assert isinstance(m, SharedMemoryRef)
+        seg = self._segments.get(m.name)
+        if seg is None:
+            seg = map_shared_memory(m.name, f"{at}.shared_memory.name")
+            self._held.append(seg)
+            self._segments[m.name] = seg
+        if m.offset + buf.length > seg.size:
+            raise invalid(f"{at}.shared_memory: offset {m.offset} + length {buf.length} "
+                          f"exceeds segment {m.name!r} of {seg.size} bytes")
+        return seg.address + m.offset, MemoryKind.HOST, 0

@@ -26,7 +26,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         return bpb.EngineInfo(
             engine_id=engine.engine_id, topology=convert.topology_out(engine.spec.topology),
             components=[convert.component_spec_out(c) for c in engine.spec.components],
-            registered_bytes=engine.registered_bytes,
+            registered_bytes=engine.registered_bytes, memory_ownership=convert.memory_ownership_out(engine.spec),
         )
 
     @translate_errors

@@ -70,11 +70,12 @@ class MooncakeBackend(Backend):
         def register_all():
             done: list[int] = []
             for r in regions:
-                # "*" lets the engine find the memory's location itself (NUMA node, or GPU in CUDA builds).
-                rc = self._engine.register_memory(r.address, r.length, "*")
+                # GPU memory is named by its device; for host memory "*" lets the engine find the NUMA node.
+                location = f"cuda:{r.device}" if r.gpu else "*"
+                rc = self._engine.register_memory(r.address, r.length, location)
                 if rc != 0:
                     _unregister(self._engine, done)
-                    raise TransferFailed(f"Mooncake register_memory({r.address:#x}, {r.length}) "
+                    raise TransferFailed(f"Mooncake register_memory({r.address:#x}, {r.length}, {location!r}) "
                                          f"returned {rc}")
                 done.append(r.address)
             return done

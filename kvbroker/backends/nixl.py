@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
+from kvbroker.model import MemoryKind
 from kvbroker.planner import Descriptors
 from kvbroker.registry import Region
 
@@ -30,6 +31,7 @@ POLL_MAX_S = 1e-3
 # milliseconds; the Python wrapper hard-codes 0, a zero timeout, so the thread never sleeps.
 PROGRESS_POLL_US = 1000
 _agent_construction = threading.Lock()  # new_agent swaps a module attribute of the bindings
+NIXL_MEMORY = {MemoryKind.HOST: "DRAM", MemoryKind.GPU: "VRAM"}
 
 
 class NixlBackend(Backend):
@@ -60,7 +62,8 @@ class NixlBackend(Backend):
     async def register(self, regions: Sequence[Region]) -> object:
         by_kind: dict[str, list[tuple[int, int, int, str]]] = {}
         for r in regions:
-            by_kind.setdefault("VRAM" if r.gpu else "DRAM", []).append((r.address, r.length, r.device, ""))
+            kind = NIXL_MEMORY[MemoryKind.GPU if r.gpu else MemoryKind.HOST]
+            by_kind.setdefault(kind, []).append((r.address, r.length, r.device, ""))
 
         def register_all():
             return [self._agent.register_memory(descs, kind) for kind, descs in by_kind.items()]
@@ -94,10 +97,11 @@ class NixlBackend(Backend):
         deadline = loop.time() + timeout
         src = np.ascontiguousarray(descriptors.src)
         dst = np.ascontiguousarray(descriptors.dst)
+        src_kind, dst_kind = NIXL_MEMORY[descriptors.src_memory_kind], NIXL_MEMORY[descriptors.dst_memory_kind]
 
         def post():
-            local = self._agent.get_xfer_descs(src, "DRAM")
-            remote = self._agent.get_xfer_descs(dst, "DRAM")
+            local = self._agent.get_xfer_descs(src, src_kind)
+            remote = self._agent.get_xfer_descs(dst, dst_kind)
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
             return handle, self._agent.transfer(handle)
 

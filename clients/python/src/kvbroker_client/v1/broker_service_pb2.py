@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker_client.v1 import common_pb2 as kvbroker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvbroker/v1/broker_service.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\x83\x01\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\"A\n\x16RegisterEngineResponse\x12\'\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.EngineInfo\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"3\n\x18UnregisterEngineResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"\x93\x01\n\x15\x45xpectTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\ncomponents\x18\x03 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\r\x12\x11\n\texpiry_ms\x18\x05 \x01(\r\"E\n\x16\x45xpectTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\xc0\x01\n\x0fTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x04 \x01(\t\x12*\n\ncomponents\x18\x05 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0csrc_page_ids\x18\x06 \x03(\r\x12\x14\n\x0c\x64st_page_ids\x18\x07 \x03(\r\"?\n\x10TransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"=\n\x14WatchTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"D\n\x15WatchTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"N\n\x15\x43\x61ncelTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"E\n\x16\x43\x61ncelTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\x16\n\x14GetBrokerInfoRequest\"\xc6\x02\n\x15GetBrokerInfoResponse\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12(\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x17.kvbroker.v1.EngineInfo\x12$\n\x05peers\x18\x07 \x03(\x0b\x32\x15.kvbroker.v1.PeerInfo\x12M\n\x0erequest_counts\x18\x08 \x03(\x0b\x32\x35.kvbroker.v1.GetBrokerInfoResponse.RequestCountsEntry\x1a\x34\n\x12RequestCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x92\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\"Q\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nhandshakes\x18\x04 \x01(\x04\"\xaf\x02\n\x0eTransferStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.kvbroker.v1.TransferRole\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.kvbroker.v1.TransferState\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05pages\x18\x07 \x01(\r\x12\x0c\n\x04runs\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x17\n\x0ftruncated_pages\x18\n \x01(\r\x12\x13\n\x0b\x64uration_us\x18\x0b \x01(\x04\x12*\n\ncomponents\x18\x0c \x03(\x0e\x32\x16.kvbroker.v1.Component2\xfc\x04\n\rBrokerService\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12Y\n\x0e\x45xpectTransfer\x12\".kvbroker.v1.ExpectTransferRequest\x1a#.kvbroker.v1.ExpectTransferResponse\x12G\n\x08Transfer\x12\x1c.kvbroker.v1.TransferRequest\x1a\x1d.kvbroker.v1.TransferResponse\x12X\n\rWatchTransfer\x12!.kvbroker.v1.WatchTransferRequest\x1a\".kvbroker.v1.WatchTransferResponse0\x01\x12Y\n\x0e\x43\x61ncelTransfer\x12\".kvbroker.v1.CancelTransferRequest\x1a#.kvbroker.v1.CancelTransferResponse\x12V\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\".kvbroker.v1.GetBrokerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvbroker/v1/broker_service.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"\xd6\x01\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x36\n\x10memory_ownership\x18\x04 \x01(\x0e\x32\x1c.kvbroker.v1.MemoryOwnership\x12\x19\n\x11\x61llocation_device\x18\x05 \x01(\r\"A\n\x16RegisterEngineResponse\x12\'\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.EngineInfo\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"3\n\x18UnregisterEngineResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"\x93\x01\n\x15\x45xpectTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\ncomponents\x18\x03 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\r\x12\x11\n\texpiry_ms\x18\x05 \x01(\r\"E\n\x16\x45xpectTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\xc0\x01\n\x0fTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x04 \x01(\t\x12*\n\ncomponents\x18\x05 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0csrc_page_ids\x18\x06 \x03(\r\x12\x14\n\x0c\x64st_page_ids\x18\x07 \x03(\r\"?\n\x10TransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"=\n\x14WatchTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"D\n\x15WatchTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"N\n\x15\x43\x61ncelTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"E\n\x16\x43\x61ncelTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\x16\n\x14GetBrokerInfoRequest\"\xc6\x02\n\x15GetBrokerInfoResponse\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12(\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x17.kvbroker.v1.EngineInfo\x12$\n\x05peers\x18\x07 \x03(\x0b\x32\x15.kvbroker.v1.PeerInfo\x12M\n\x0erequest_counts\x18\x08 \x03(\x0b\x32\x35.kvbroker.v1.GetBrokerInfoResponse.RequestCountsEntry\x1a\x34\n\x12RequestCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xca\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x36\n\x10memory_ownership\x18\x05 \x01(\x0e\x32\x1c.kvbroker.v1.MemoryOwnership\"Q\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nhandshakes\x18\x04 \x01(\x04\"\xaf\x02\n\x0eTransferStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.kvbroker.v1.TransferRole\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.kvbroker.v1.TransferState\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05pages\x18\x07 \x01(\r\x12\x0c\n\x04runs\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x17\n\x0ftruncated_pages\x18\n \x01(\r\x12\x13\n\x0b\x64uration_us\x18\x0b \x01(\x04\x12*\n\ncomponents\x18\x0c \x03(\x0e\x32\x16.kvbroker.v1.Component*m\n\x0fMemoryOwnership\x12 \n\x1cMEMORY_OWNERSHIP_UNSPECIFIED\x10\x00\x12\x1b\n\x17MEMORY_OWNERSHIP_SERVER\x10\x01\x12\x1b\n\x17MEMORY_OWNERSHIP_BROKER\x10\x02\x32\xfc\x04\n\rBrokerService\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12Y\n\x0e\x45xpectTransfer\x12\".kvbroker.v1.ExpectTransferRequest\x1a#.kvbroker.v1.ExpectTransferResponse\x12G\n\x08Transfer\x12\x1c.kvbroker.v1.TransferRequest\x1a\x1d.kvbroker.v1.TransferResponse\x12X\n\rWatchTransfer\x12!.kvbroker.v1.WatchTransferRequest\x1a\".kvbroker.v1.WatchTransferResponse0\x01\x12Y\n\x0e\x43\x61ncelTransfer\x12\".kvbroker.v1.CancelTransferRequest\x1a#.kvbroker.v1.CancelTransferResponse\x12V\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\".kvbroker.v1.GetBrokerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,42 +35,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._loaded_options = None
   _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_options = b'8\001'
+  _globals['_MEMORYOWNERSHIP']._serialized_start=2170
+  _globals['_MEMORYOWNERSHIP']._serialized_end=2279
   _globals['_REGISTERENGINEREQUEST']._serialized_start=76
-  _globals['_REGISTERENGINEREQUEST']._serialized_end=207
-  _globals['_REGISTERENGINERESPONSE']._serialized_start=209
-  _globals['_REGISTERENGINERESPONSE']._serialized_end=274
-  _globals['_UNREGISTERENGINEREQUEST']._serialized_start=276
-  _globals['_UNREGISTERENGINEREQUEST']._serialized_end=320
-  _globals['_UNREGISTERENGINERESPONSE']._serialized_start=322
-  _globals['_UNREGISTERENGINERESPONSE']._serialized_end=373
-  _globals['_EXPECTTRANSFERREQUEST']._serialized_start=376
-  _globals['_EXPECTTRANSFERREQUEST']._serialized_end=523
-  _globals['_EXPECTTRANSFERRESPONSE']._serialized_start=525
-  _globals['_EXPECTTRANSFERRESPONSE']._serialized_end=594
-  _globals['_TRANSFERREQUEST']._serialized_start=597
-  _globals['_TRANSFERREQUEST']._serialized_end=789
-  _globals['_TRANSFERRESPONSE']._serialized_start=791
-  _globals['_TRANSFERRESPONSE']._serialized_end=854
-  _globals['_WATCHTRANSFERREQUEST']._serialized_start=856
-  _globals['_WATCHTRANSFERREQUEST']._serialized_end=917
-  _globals['_WATCHTRANSFERRESPONSE']._serialized_start=919
-  _globals['_WATCHTRANSFERRESPONSE']._serialized_end=987
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=989
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1067
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1069
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1138
-  _globals['_GETBROKERINFOREQUEST']._serialized_start=1140
-  _globals['_GETBROKERINFOREQUEST']._serialized_end=1162
-  _globals['_GETBROKERINFORESPONSE']._serialized_start=1165
-  _globals['_GETBROKERINFORESPONSE']._serialized_end=1491
-  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_start=1439
-  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_end=1491
-  _globals['_ENGINEINFO']._serialized_start=1494
-  _globals['_ENGINEINFO']._serialized_end=1640
-  _globals['_PEERINFO']._serialized_start=1642
-  _globals['_PEERINFO']._serialized_end=1723
-  _globals['_TRANSFERSTATUS']._serialized_start=1726
-  _globals['_TRANSFERSTATUS']._serialized_end=2029
-  _globals['_BROKERSERVICE']._serialized_start=2032
-  _globals['_BROKERSERVICE']._serialized_end=2668
+  _globals['_REGISTERENGINEREQUEST']._serialized_end=290
+  _globals['_REGISTERENGINERESPONSE']._serialized_start=292
+  _globals['_REGISTERENGINERESPONSE']._serialized_end=357
+  _globals['_UNREGISTERENGINEREQUEST']._serialized_start=359
+  _globals['_UNREGISTERENGINEREQUEST']._serialized_end=403
+  _globals['_UNREGISTERENGINERESPONSE']._serialized_start=405
+  _globals['_UNREGISTERENGINERESPONSE']._serialized_end=456
+  _globals['_EXPECTTRANSFERREQUEST']._serialized_start=459
+  _globals['_EXPECTTRANSFERREQUEST']._serialized_end=606
+  _globals['_EXPECTTRANSFERRESPONSE']._serialized_start=608
+  _globals['_EXPECTTRANSFERRESPONSE']._serialized_end=677
+  _globals['_TRANSFERREQUEST']._serialized_start=680
+  _globals['_TRANSFERREQUEST']._serialized_end=872
+  _globals['_TRANSFERRESPONSE']._serialized_start=874
+  _globals['_TRANSFERRESPONSE']._serialized_end=937
+  _globals['_WATCHTRANSFERREQUEST']._serialized_start=939
+  _globals['_WATCHTRANSFERREQUEST']._serialized_end=1000
+  _globals['_WATCHTRANSFERRESPONSE']._serialized_start=1002
+  _globals['_WATCHTRANSFERRESPONSE']._serialized_end=1070
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1072
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1150
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1152
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1221
+  _globals['_GETBROKERINFOREQUEST']._serialized_start=1223
+  _globals['_GETBROKERINFOREQUEST']._serialized_end=1245
+  _globals['_GETBROKERINFORESPONSE']._serialized_start=1248
+  _globals['_GETBROKERINFORESPONSE']._serialized_end=1574
+  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_start=1522
+  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_end=1574
+  _globals['_ENGINEINFO']._serialized_start=1577
+  _globals['_ENGINEINFO']._serialized_end=1779
+  _globals['_PEERINFO']._serialized_start=1781
+  _globals['_PEERINFO']._serialized_end=1862
+  _globals['_TRANSFERSTATUS']._serialized_start=1865
+  _globals['_TRANSFERSTATUS']._serialized_end=2168
+  _globals['_BROKERSERVICE']._serialized_start=2282
+  _globals['_BROKERSERVICE']._serialized_end=2918
 # @@protoc_insertion_point(module_scope)

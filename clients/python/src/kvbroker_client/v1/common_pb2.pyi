@@ -39,6 +39,12 @@ class KvDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_DTYPE_INT8: _ClassVar[KvDtype]
     KV_DTYPE_UINT8: _ClassVar[KvDtype]
 
+class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
+    MEMORY_KIND_HOST: _ClassVar[MemoryKind]
+    MEMORY_KIND_GPU: _ClassVar[MemoryKind]
+
 class TransferState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TRANSFER_STATE_UNSPECIFIED: _ClassVar[TransferState]
@@ -71,6 +77,9 @@ KV_DTYPE_FLOAT8_E4M3: KvDtype
 KV_DTYPE_FLOAT8_E5M2: KvDtype
 KV_DTYPE_INT8: KvDtype
 KV_DTYPE_UINT8: KvDtype
+MEMORY_KIND_UNSPECIFIED: MemoryKind
+MEMORY_KIND_HOST: MemoryKind
+MEMORY_KIND_GPU: MemoryKind
 TRANSFER_STATE_UNSPECIFIED: TransferState
 TRANSFER_STATE_PENDING: TransferState
 TRANSFER_STATE_TRANSFERRING: TransferState

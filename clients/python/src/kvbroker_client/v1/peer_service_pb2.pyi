@@ -59,20 +59,22 @@ class PeerComponent(_message.Message):
     def __init__(self, component: _Optional[_Union[_common_pb2.Component, str]] = ..., layout: _Optional[_Union[_common_pb2.Layout, str]] = ..., num_pages: _Optional[int] = ..., layer_buffers: _Optional[_Iterable[_Union[PeerLayerBuffer, _Mapping]]] = ...) -> None: ...
 
 class PeerLayerBuffer(_message.Message):
-    __slots__ = ("layer_id", "role", "address", "length", "item_len", "device")
+    __slots__ = ("layer_id", "role", "address", "length", "item_len", "device", "memory_kind")
     LAYER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     ITEM_LEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     layer_id: int
     role: _common_pb2.BufferRole
     address: int
     length: int
     item_len: int
     device: int
-    def __init__(self, layer_id: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.BufferRole, str]] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., item_len: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+    memory_kind: _common_pb2.MemoryKind
+    def __init__(self, layer_id: _Optional[int] = ..., role: _Optional[_Union[_common_pb2.BufferRole, str]] = ..., address: _Optional[int] = ..., length: _Optional[int] = ..., item_len: _Optional[int] = ..., device: _Optional[int] = ..., memory_kind: _Optional[_Union[_common_pb2.MemoryKind, str]] = ...) -> None: ...
 
 class ClaimGrantRequest(_message.Message):
     __slots__ = ("broker_id", "epoch", "engine_id", "request_id", "components", "dst_page_ids")
