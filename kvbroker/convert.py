@@ -8,9 +8,6 @@ from __future__ import annotations
 from typing import TypeVar
 
 import numpy as np
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import common_pb2 as pb
-from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 from kvbroker.errors import invalid
 from kvbroker.model import (
@@ -31,6 +28,9 @@ from kvbroker.model import (
     Topology,
 )
 from kvbroker.transfers import TransferStatus
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 E = TypeVar("E")
 

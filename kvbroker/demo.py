@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+
+from kvbroker.launch import start_broker
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
-
-from kvbroker.launch import start_broker
 
 CANARY = 0xA5
 

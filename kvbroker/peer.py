@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from kvbroker_client.v1 import peer_service_pb2 as ppb
-from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 from kvbroker import convert
 from kvbroker.backends.base import Backend, TransferFailed
@@ -25,6 +23,8 @@ from kvbroker.errors import BrokerError, Code
 from kvbroker.metrics import Metrics
 from kvbroker.model import ComponentKind, State
 from kvbroker.transfers import Grant, TransferStatus
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 log = logging.getLogger(__name__)
 

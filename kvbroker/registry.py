@@ -231,7 +231,8 @@ class Registry:
                 for j, buf in enumerate(comp.layer_buffers):
                     at = f"components[{i}].layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name}).memory"
                     address, kind, device = resolve(buf, at)
-                    buffers.append(BufferLayout(buf.layer_id, buf.role, address, buf.length, buf.item_len, device, kind))
+                    buffers.append(
+                        BufferLayout(buf.layer_id, buf.role, address, buf.length, buf.item_len, device, kind))
                 buffers.sort(key=lambda b: (b.layer_id, b.role))
                 components[comp.kind] = ComponentLayout(comp.kind, comp.layout, comp.num_pages, tuple(buffers))
         except BaseException:

@@ -17,7 +17,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
 
 from kvbroker.backends import create_backend
 from kvbroker.broker import Broker, Limits
@@ -26,6 +25,7 @@ from kvbroker.edge import MalformedRequests
 from kvbroker.metrics import Metrics
 from kvbroker.peer import PeerClients, PeerServicer
 from kvbroker.service import BrokerServicer
+from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvbroker.config import Settings
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
-
-from kvbroker.config import Settings
 
 STATES = ("PENDING", "TRANSFERRING", "SUCCEEDED", "FAILED")
 

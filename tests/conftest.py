@@ -15,13 +15,13 @@ import grpc
 import numpy as np
 import pytest
 import pytest_asyncio
+
+from kvbroker import demo
+from kvbroker.launch import BrokerProcess, start_broker
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
-
-from kvbroker import demo
-from kvbroker.launch import BrokerProcess, start_broker
 
 BACKENDS = ["nixl", "mooncake"]
 

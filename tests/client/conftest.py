@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import pytest_asyncio
-from kvbroker_client import BrokerClient, ComponentSpec
-from kvbroker_client.tensors import SharedPool
 
 from kvbroker.launch import BrokerProcess, start_broker
-
+from kvbroker_client import BrokerClient, ComponentSpec
+from kvbroker_client.tensors import SharedPool
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 

@@ -9,7 +9,6 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from kvbroker_sglang import KVPoll, SGLangEngine, engine_components, kv_poll
 
 from kvbroker_client import (
     BufferRole,
@@ -24,12 +23,13 @@ from kvbroker_client import (
     Unimplemented,
 )
 from kvbroker_client.tensors import SharedPool
+from kvbroker_sglang import KVPoll, SGLangEngine, engine_components, kv_poll
 from tests.client.conftest import CANARY, Pools, assert_pool_equals, expected_destination, fragmented, unique
 
 ON_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 
 
-class StateType(str, enum.Enum):
+class StateType(str, enum.Enum):  # noqa: UP042 -- as upstream declares it
     """Members of upstream's sglang.srt.disaggregation.base.conn.StateType used here (a str enum there too)."""
 
     MAMBA = "mamba"

@@ -9,12 +9,11 @@ import shutil
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import REPO, build_context_files, dockerfile_instructions, env_of, tool
 from kvbroker.config import Settings
+from tests.deploy.conftest import REPO, build_context_files, dockerfile_instructions, env_of, tool
 
 INSTRUCTIONS = dockerfile_instructions()
 FINAL_STAGE = max(i.stage for i in INSTRUCTIONS)

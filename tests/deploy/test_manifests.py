@@ -8,10 +8,10 @@ import re
 import kubernetes_validate
 import pytest
 
-from tests.deploy.conftest import OVERLAYS, dockerfile_instructions
 from kvbroker.config import Settings
 from kvbroker.probe import check
 from kvbroker.server import PEER_SERVICE
+from tests.deploy.conftest import OVERLAYS, dockerfile_instructions
 
 # 1.29: the first release with native sidecars on by default; and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())

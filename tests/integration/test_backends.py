@@ -14,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import common_pb2 as pb
 
 from kvbroker import demo
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
 from kvbroker.planner import Descriptors
 from kvbroker.registry import Region
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, expected_after
 
 pytestmark = pytest.mark.integration

@@ -5,10 +5,10 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import common_pb2 as pb
 
 from kvbroker import demo
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL
 
 pytestmark = [

@@ -10,8 +10,8 @@ import signal
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvbroker_client.v1 import broker_service_pb2 as bpb
 
+from kvbroker_client.v1 import broker_service_pb2 as bpb
 from tests.conftest import close_broker, open_broker
 
 pytestmark = pytest.mark.integration

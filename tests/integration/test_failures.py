@@ -16,11 +16,11 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import common_pb2 as pb
 
 from kvbroker import demo
-from tests.conftest import ALL, SMALL, assert_bytes, close_broker, expected_after, open_broker
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
 
 pytestmark = pytest.mark.integration
 

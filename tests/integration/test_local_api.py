@@ -7,8 +7,8 @@ import stat
 
 import grpc
 import pytest
-from kvbroker_client.v1 import broker_service_pb2 as bpb
 
+from kvbroker_client.v1 import broker_service_pb2 as bpb
 from tests.conftest import ALL, close_broker, open_broker
 
 pytestmark = pytest.mark.integration

@@ -11,11 +11,11 @@ import urllib.request
 
 import grpc
 import pytest
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import common_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ALL, SMALL, BrokerPair, close_broker, open_broker
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from tests.conftest import SMALL, BrokerPair, close_broker, open_broker
 from tests.integration.test_transfer import grant, transfer
 
 pytestmark = pytest.mark.integration

@@ -6,8 +6,8 @@ import grpc
 import numpy as np
 import pytest
 import trustme
-from kvbroker_client.v1 import broker_service_pb2 as bpb
 
+from kvbroker_client.v1 import broker_service_pb2 as bpb
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
 
 pytestmark = pytest.mark.integration

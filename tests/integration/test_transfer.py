@@ -7,9 +7,9 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-
 from tests.conftest import ALL, SMALL, assert_bytes, expected_after
 
 pytestmark = pytest.mark.integration

@@ -15,11 +15,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from kvbroker_client.model import CudaIpcRef as ClientCudaIpcRef
-from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import common_pb2 as pb
-from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 from kvbroker import convert
 from kvbroker.backends.mooncake import MooncakeBackend
@@ -45,6 +40,11 @@ from kvbroker.model import (
 )
 from kvbroker.planner import Descriptors, build_descriptors, plan_runs
 from kvbroker.registry import Region, Registry, validate_spec
+from kvbroker_client.model import CudaIpcRef as ClientCudaIpcRef
+from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 HANDLE_A = bytes(range(1, 65))

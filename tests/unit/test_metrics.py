@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.error
 import urllib.request
@@ -128,11 +129,14 @@ async def test_the_endpoint_serves_on_the_address_given_and_stops():
     bound = metrics.serve("127.0.0.1:0")
     host, port = split_address(bound)
     assert host == "127.0.0.1" and port > 0
-    with urllib.request.urlopen(f"http://{bound}/metrics", timeout=5) as reply:
-        assert "kvbroker_peer_handshakes_total 1.0" in reply.read().decode()
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://{bound}/metrics", timeout=5) as reply:
+            return reply.read().decode()
+
+    assert "kvbroker_peer_handshakes_total 1.0" in await asyncio.to_thread(scrape)
     await metrics.close()
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://{bound}/metrics", timeout=5)
+        await asyncio.to_thread(scrape)
 
 
 @pytest.mark.parametrize("address", ["9400", ":9400", "localhost:", "localhost:http", "[::1]:70000"])

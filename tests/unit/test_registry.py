@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvbroker_client.shm import SharedSegment
 
 from kvbroker.errors import BrokerError, Code
 from kvbroker.model import (
@@ -20,6 +19,7 @@ from kvbroker.model import (
     Topology,
 )
 from kvbroker.registry import Registry, validate_spec
+from kvbroker_client.shm import SharedSegment
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import numpy as np
+
 from kvbroker_client import (
     BrokerClient,
     BrokerError,
