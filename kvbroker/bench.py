@@ -4,8 +4,10 @@ Sections, each producing plain dicts for the JSON report:
 - data plane: per backend, one MiniMax-M3-shaped request per size and fragmentation, moved (a) through
   two broker processes by the public client (client-observed Transfer) and (b) by two Backend
   instances of the same engine in one child process, with the same page lists turned into the same
-  descriptors by the same planner; a numpy copy of the same bytes is the ceiling. Both paths write
-  into the same shared-memory pools and the first write of each is checked page by page.
+  descriptors by the same planner; also (c) by a sender and a receiver Backend in two processes,
+  because engines move bytes differently within a process than across two, as brokers do. A numpy
+  copy of the same bytes is the ceiling. All paths write into the same shared-memory pools and the
+  first write of each is checked page by page.
 - control plane: one-page Transfer latency and sustained requests/s (grant + transfer) at several
   concurrencies, with the client on uvloop and on asyncio's default loop; brokers run uvloop.
 - planner: page ids/s of plan_runs + build_descriptors, against a naive Python loop.
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import dataclasses
 import datetime
 import importlib.metadata
 import importlib.util
 import json
 import math
+import operator
 import os
 import platform
 import signal
@@ -224,13 +228,48 @@ def _protocol_stream():
     return out
 
 
+async def _direct_setup(command: dict, sender, receiver, state: dict) -> dict:
+    """Map the pools and register the sides this child plays: both (one process), or one of two.
+
+    A receiver-only child answers with its metadata and its destination pool's address, which the
+    parent hands to a sender-only child in another process.
+    """
+    from kvbroker.registry import Region
+    from kvbroker_client.shm import SharedSegment
+
+    shape = demo.ModelShape(**command["shape"])
+    placements = demo.place_buffers(shape)
+    segments = {side: SharedSegment(name, command["size"], create=False)
+                for side, name in command["segments"].items()}
+    state.update(segments=list(segments.values()), handles=[])
+    bases = {side: seg.array.ctypes.data for side, seg in segments.items()}
+    if "dst" not in bases:
+        bases["dst"] = command["peer"]["dst_base"]
+    state["src"], state["dst"] = (engine_buffers(shape, placements, bases[side]) if side in bases else None
+                                  for side in ("src", "dst"))
+    answer: dict = {}
+    if "src" in segments:
+        started = time.perf_counter()
+        regions = [Region(b.address, b.length, 0, False) for b in state["src"]]
+        state["handles"].append((sender, await sender.register(regions)))
+        answer.update(register_s=time.perf_counter() - started, regions=len(regions))
+    if "dst" in segments:
+        regions = [Region(b.address, b.length, 0, False) for b in state["dst"]]
+        state["handles"].append((receiver, await receiver.register(regions)))
+    if "src" in segments and "dst" in segments:
+        state["peer"] = await sender.connect(await receiver.metadata())
+    elif "src" in segments:
+        state["peer"] = await sender.connect(base64.b64decode(command["peer"]["metadata"]))
+    else:
+        answer.update(metadata=base64.b64encode(await receiver.metadata()).decode(), dst_base=bases["dst"])
+    return answer
+
+
 async def _direct_child(backend: str) -> None:
-    """Two Backend instances of one engine in this process; the parent drives them over stdin."""
+    """The engine without a broker: Backend instances the parent drives over stdin, one JSON line each."""
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
     from kvbroker.planner import build_descriptors, plan_runs
-    from kvbroker.registry import Region
-    from kvbroker_client.shm import SharedSegment
 
     out = _protocol_stream()
     loop = asyncio.get_running_loop()
@@ -244,19 +283,7 @@ async def _direct_child(backend: str) -> None:
         try:
             op = command["op"]
             if op == "setup":
-                shape = demo.ModelShape(**command["shape"])
-                placements = demo.place_buffers(shape)
-                segments = [SharedSegment(name, command["size"], create=False)
-                            for name in command["segments"]]
-                src = engine_buffers(shape, placements, segments[0].array.ctypes.data)
-                dst = engine_buffers(shape, placements, segments[1].array.ctypes.data)
-                started = time.perf_counter()
-                handles = [await sender.register([Region(b.address, b.length, 0, False) for b in src])]
-                register_s = time.perf_counter() - started
-                handles.append(await receiver.register([Region(b.address, b.length, 0, False) for b in dst]))
-                peer = await sender.connect(await receiver.metadata())
-                state.update(segments=segments, handles=handles, peer=peer, src=src, dst=dst)
-                answer = {"register_s": register_s, "regions": len(src)}
+                answer = await _direct_setup(command, sender, receiver, state)
             elif op == "plan":
                 started = time.perf_counter()
                 runs = plan_runs(np.asarray(command["src_ids"]), np.asarray(command["dst_ids"]))
@@ -268,8 +295,8 @@ async def _direct_child(backend: str) -> None:
                 await sender.write(state["peer"], state["descriptors"], timeout=command["timeout"])
                 answer = {"seconds": time.perf_counter() - started}
             elif op == "teardown":
-                await sender.deregister(state["handles"][0])
-                await receiver.deregister(state["handles"][1])
+                for backend_, handle in state.pop("handles"):
+                    await backend_.deregister(handle)
                 for segment in state.pop("segments"):
                     segment.close()
                 state.clear()
@@ -427,7 +454,8 @@ def _child_main(argv: Sequence[str]) -> None:
 # -- sections ---------------------------------------------------------------------------------------
 @dataclass
 class Side:
-    """One backend's pair of brokers, public clients on them, and its direct-engine child."""
+    """One backend's pair of brokers, public clients on them, and its engine-alone children: one that
+    plays both sides in one process (`direct`), and a sender and a receiver in two (`direct2`)."""
 
     backend: str
     prefill: object  # launch.BrokerProcess
@@ -435,12 +463,15 @@ class Side:
     p_client: object  # kvbroker_client.BrokerClient
     d_client: object
     direct: Child | None = None
+    direct2_tx: Child | None = None
+    direct2_rx: Child | None = None
 
     async def close(self) -> None:
         for client in (self.p_client, self.d_client):
             await client.close()
-        if self.direct is not None:
-            await self.direct.stop()
+        for child in (self.direct, self.direct2_tx, self.direct2_rx):
+            if child is not None:
+                await child.stop()
         for broker in (self.prefill, self.decode):
             await broker.stop()
 
@@ -463,8 +494,10 @@ async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
     d_client = await BrokerClient.connect(decode.listen, transfer_timeout=timeout)
     side = Side(backend, prefill, decode, p_client, d_client)
     if with_direct:
-        side.direct = await Child.start("direct", backend)
-        side.direct.timeout = timeout
+        side.direct, side.direct2_tx, side.direct2_rx = await asyncio.gather(
+            *(Child.start("direct", backend) for _ in range(3)))
+        for child in (side.direct, side.direct2_tx, side.direct2_rx):
+            child.timeout = timeout
     return side
 
 
@@ -494,8 +527,12 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                     request = demo.register_request(engine_id, shape, seg, placements)
                     await client.register_engine(engine_id, request.topology, list(request.components),
                                                  timeout=120)
-                setup = await side.direct.ask(op="setup", shape=dataclasses.asdict(shape),
-                                              segments=[src_seg.name, dst_seg.name], size=size)
+                common = {"shape": dataclasses.asdict(shape), "size": size}
+                setup = await side.direct.ask(op="setup", segments={"src": src_seg.name, "dst": dst_seg.name},
+                                              **common)
+                receiver = await side.direct2_rx.ask(op="setup", segments={"dst": dst_seg.name}, **common)
+                await side.direct2_tx.ask(op="setup", segments={"src": src_seg.name}, **common,
+                                          peer={"metadata": receiver["metadata"], "dst_base": receiver["dst_base"]})
                 try:
                     for pattern in PATTERNS:
                         src_ids, dst_ids = page_lists(pattern, pages, shape.num_pages, rng)
@@ -504,10 +541,11 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                         case["direct_register_s"] = round(setup["register_s"], 6)
                         cases.append(case)
                         say(f"  {side.backend:8} {pattern:10} broker {case['broker_gbps']:.2f} GB/s, "
-                            f"direct {case['direct_gbps']:.2f} GB/s, ratio {case['ratio']:.3f}"
-                            f"{'' if case['verified'] else '  NOT VERIFIED'}")
+                            f"direct {case['direct_gbps']:.2f} GB/s (2 processes {case['direct2_gbps']:.2f}), "
+                            f"ratio {case['ratio']:.3f}{'' if case['verified'] else '  NOT VERIFIED'}")
                 finally:
-                    await side.direct.ask(op="teardown")
+                    for child in (side.direct, side.direct2_tx, side.direct2_rx):
+                        await child.ask(op="teardown")
                     for client, engine_id in ((side.p_client, engines[0]), (side.d_client, engines[1])):
                         await client.unregister_engine(engine_id, timeout=120)
     per_page = {"K": ENGINE.kv_item_len, "V": ENGINE.kv_item_len, "INDEX_K": ENGINE.index_item_len}
@@ -521,9 +559,10 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
         "patterns": {"contiguous": "one run", "runs16": "runs of 16 pages, shuffled, both sides",
                      "scattered": "every page its own run (random permutations)"},
         "timing": {"broker": "client-observed BrokerClient.transfer (grant issued beforehand)",
-                   "direct": "Backend.write in one process, same descriptors", "statistic": "median",
-                   "repeats": plan.repeats, "repeats_from_1_gib": min(plan.repeats, 3), "warmup": plan.warmup,
-                   "order": "broker and direct alternate within each repeat"},
+                   "direct": "Backend.write, sender and receiver Backend in one process, same descriptors",
+                   "direct2": "Backend.write, sender and receiver Backend in two processes (as the brokers are)",
+                   "statistic": "median", "repeats": plan.repeats, "repeats_from_1_gib": min(plan.repeats, 3),
+                   "warmup": plan.warmup, "order": "broker, direct and direct2 alternate within each repeat"},
         "cases": cases, "memcpy": memcpy,
     }
 
@@ -531,7 +570,8 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
 async def _one_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg, engines, pattern: str,
                     size_mib: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> dict:
     planned = await side.direct.ask(op="plan", src_ids=src_ids.tolist(), dst_ids=dst_ids.tolist())
-    broker_s, direct_s, duration_us = [], [], []
+    await side.direct2_tx.ask(op="plan", src_ids=src_ids.tolist(), dst_ids=dst_ids.tolist())
+    broker_s, direct_s, direct2_s, duration_us = [], [], [], []
     verified, status = True, None
     repeats = plan.repeats if size_mib < 1024 else min(plan.repeats, 3)  # a GiB scattered takes seconds
     for rep in range(plan.warmup + repeats):
@@ -550,17 +590,25 @@ async def _one_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg,
         direct = (await side.direct.ask(op="write", timeout=plan.op_timeout_s))["seconds"]
         if first:
             verified &= moved_pages_match(shape, placements, src_seg.array, dst_seg.array, src_ids, dst_ids)
+            dst_seg.array[:] = 0
+        direct2 = (await side.direct2_tx.ask(op="write", timeout=plan.op_timeout_s))["seconds"]
+        if first:
+            verified &= moved_pages_match(shape, placements, src_seg.array, dst_seg.array, src_ids, dst_ids)
         if rep >= plan.warmup:
             broker_s.append(elapsed)
             direct_s.append(direct)
+            direct2_s.append(direct2)
             duration_us.append(status.duration_us)
     nbytes = planned["bytes"]
     broker_gbps, direct_gbps = _median_gbps(nbytes, broker_s), _median_gbps(nbytes, direct_s)
+    direct2_gbps = _median_gbps(nbytes, direct2_s)
     return {
         "backend": side.backend, "size_mib": size_mib, "pattern": pattern, "pages": int(src_ids.size),
         "layers": shape.layers, "page_size_tokens": shape.page_size, "bytes": nbytes, "runs": planned["runs"],
         "descriptors": planned["descriptors"], "broker_runs": status.runs, "broker_bytes": status.bytes,
         "broker_s": [round(s, 6) for s in broker_s], "direct_s": [round(s, 6) for s in direct_s],
+        "direct2_s": [round(s, 6) for s in direct2_s], "direct2_gbps": round(direct2_gbps, 4),
+        "ratio_vs_direct2": round(broker_gbps / direct2_gbps, 4),
         "broker_duration_us_median": int(statistics.median(duration_us)),
         "broker_gbps": round(broker_gbps, 4), "direct_gbps": round(direct_gbps, 4),
         "broker_overhead_ms": round((statistics.median(broker_s) - statistics.median(direct_s)) * 1e3, 3),
@@ -765,10 +813,11 @@ def judge(report: dict) -> list[dict]:
             big = [c for c in cases if c["backend"] == backend and c["size_mib"] >= RATIO_FROM_MIB]
             for pattern in PATTERNS:
                 mine = [c for c in big if c["pattern"] == pattern]
-                worst = min(mine, key=lambda c: c["ratio"], default=None)
-                add(TARGETS["ratio"], f"{backend} {pattern}", worst and worst["ratio"],
-                    f"lowest broker/direct over {[c['size_mib'] for c in mine]} MiB"
-                    + (f" (at {worst['size_mib']} MiB)" if worst else ": no size >= 64 MiB in this run"))
+                for key, baseline in (("ratio", "direct in 1 process"), ("ratio_vs_direct2", "direct in 2")):
+                    worst = min(mine, key=operator.itemgetter(key), default=None)
+                    add(TARGETS["ratio"], f"{backend} {pattern} vs {baseline}", worst and worst[key],
+                        f"lowest over {[c['size_mib'] for c in mine]} MiB"
+                        + (f" (at {worst['size_mib']} MiB)" if worst else ": no size >= 64 MiB in this run"))
             for path in ("direct", "broker"):
                 pairs = {}
                 for c in big:
@@ -848,7 +897,8 @@ def _render_data(data: dict) -> list[str]:
                   f"MINIMAX_INDEX_K fp8 {s['item_len_bytes']['INDEX_K']} B a page), "
                   f"{s['bytes_per_page'] // 1024} KiB a page; GB/s, median of {data['timing']['repeats']}"),
              (f"{'backend':9}{'size':>8}{'pages':>7} {'pattern':11}{'runs':>6}{'descs':>8}{'broker':>8}"
-              f"{'direct':>8}{'memcpy':>8}  {'broker/direct':19}{'runs16/contig direct|broker':28}")]
+              f"{'direct':>8}{'2-proc':>8}{'memcpy':>8}  {'broker/direct':19}{'b/2-proc':>9}  "
+              f"{'runs16/contig direct|broker':28}")]
     memcpy = {m["size_mib"]: m["gbps"] for m in data["memcpy"]}
     by_key = {(c["backend"], c["size_mib"], c["pattern"]): c for c in data["cases"]}
     for c in data["cases"]:
@@ -863,7 +913,8 @@ def _render_data(data: dict) -> list[str]:
                 frac += f" {_mark(TARGETS['runs16'].met(min(d, b)))} >=0.8"
         lines.append(f"{c['backend']:9}{_fmt_size(c['size_mib']):>8}{c['pages']:>7} {c['pattern']:11}"
                      f"{c['runs']:>6}{c['descriptors']:>8}{c['broker_gbps']:>8.2f}{c['direct_gbps']:>8.2f}"
-                     f"{memcpy.get(c['size_mib'], 0):>8.2f}  {ratio:19}{frac:28}"
+                     f"{c.get('direct2_gbps', float('nan')):>8.2f}{memcpy.get(c['size_mib'], 0):>8.2f}  {ratio:19}"
+                     f"{c.get('ratio_vs_direct2', float('nan')):>9.3f}  {frac:28}"
                      f"{'' if c['verified'] else 'NOT VERIFIED'}")
     return lines
 

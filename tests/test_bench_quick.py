@@ -38,7 +38,7 @@ async def test_quick_bench_completes_with_every_section_in_its_json():
     assert {c["pattern"] for c in cases} == {"contiguous", "runs16", "scattered"}
     for case in cases:
         assert {"size_mib", "pages", "layers", "page_size_tokens", "bytes", "runs", "descriptors",
-                "broker_gbps", "direct_gbps", "ratio"} <= case.keys()
+                "broker_gbps", "direct_gbps", "direct2_gbps", "ratio", "ratio_vs_direct2"} <= case.keys()
         assert case["verified"], case
     assert {m["size_mib"] for m in report["data_plane"]["memcpy"]} == {c["size_mib"] for c in cases}
     for run in report["control_plane"]["runs"]:
