@@ -157,8 +157,11 @@ class PeerClients:
         except TransferFailed as exc:
             raise BrokerError(Code.ABORTED, f"peer broker {address}: transfer engine {self._backend.name} "
                                             f"cannot use its handshake metadata: {exc}") from None
-        session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation,
-                              convert.engine_layout_in(reply.engine), handle)
+        try:
+            engine = convert.engine_layout_in(reply.engine)
+        except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
+            raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.message}") from None
+        session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation, engine, handle)
         record = self.records.setdefault(address, PeerRecord(address))
         epoch_changed = bool(record.epoch) and record.epoch != reply.epoch
         if epoch_changed:
