@@ -117,6 +117,9 @@ class BrokerServer:
         peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker), peer_server)
         peer_listen = _bind(peer_server, s.peer_listen, server_credentials)
         peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
+        if not s.peer_tls_ca and peer_listen.rpartition(":")[0] not in ("127.0.0.1", "[::1]", "localhost"):
+            log.warning("the peer port %s accepts brokers it cannot authenticate; set peer_tls_cert, "
+                        "peer_tls_key and peer_tls_ca for mutual TLS", peer_listen)
 
         local_server = self._grpc_server(BROKER_SERVICE)
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
