@@ -2,7 +2,7 @@
 #   docker build -t kvbroker:cpu .                          host memory: NIXL + Mooncake (non-CUDA), CPU torch
 #   docker build --build-arg FLAVOR=cuda -t kvbroker:cuda .  GPU pods: NIXL + Mooncake CUDA builds
 # Runs `kvbroker serve` as UID 10001: local API on unix:/run/kvbroker/kvbroker.sock, peer API on
-# 0.0.0.0:50052, JSON logs. Every setting is a KVBROKER_* variable (docs/operations.md).
+# 0.0.0.0:50052, JSON logs. Every setting is a KVBROKER_* variable (README, Operations).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG FLAVOR=cpu

@@ -1,4 +1,4 @@
-"""docs/operations.md stays true: its settings table is the Settings object, its troubleshooting
+"""The README's Operations section stays true: its settings table is the Settings object, its troubleshooting
 messages are ones the broker sends, and its grpcurl commands work against a real broker.
 
 `python -m tests.deploy.test_operations_doc` prints the settings table to paste after a change.
@@ -18,7 +18,7 @@ from kvbroker.config import Settings
 from kvbroker.errors import Code
 from tests.deploy.conftest import REPO, tool
 
-DOC = REPO / "docs" / "operations.md"
+DOC = REPO / "README.md"
 FACTORIES = {"gethostname": "the host name"}
 
 
@@ -40,8 +40,8 @@ def settings_table() -> str:
 
 def section(title: str) -> str:
     text = DOC.read_text()
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert match, f"no section '## {title}' in {DOC.name}"
+    match = re.search(rf"^### {re.escape(title)}\n(.*?)(?=^##+ |\Z)", text, re.M | re.S)
+    assert match, f"no section '### {title}' in {DOC.name}"
     return match.group(1)
 
 

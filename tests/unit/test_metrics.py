@@ -159,7 +159,7 @@ def test_every_metric_is_in_the_readme_with_its_labels(observed):
         name = family.name + ("_total" if family.type == "counter" else "")
         served[name] = {k for sample in family.samples for k in sample.labels} - {"le"}
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = re.search(r"^## Metrics\n(.*?)(?=^## |\Z)", readme, re.M | re.S).group(1)
+    section = re.search(r"^### Metrics\n(.*?)(?=^##+ |\Z)", readme, re.M | re.S).group(1)
     documented = {}
     for row in re.findall(r"^\| `(kvbroker_\w+)` \| \w+ \|([^|]*)\|", section, re.M):
         documented[row[0]] = {label.strip() for label in row[1].split(",") if label.strip()}
