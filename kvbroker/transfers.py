@@ -274,6 +274,3 @@ class TransferTable:
                     yield status
         finally:
             record.watchers.discard(queue)
-
-    def watcher_count(self) -> int:
-        return sum(len(r.watchers) for r in self._records.values())
