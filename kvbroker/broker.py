@@ -1,7 +1,8 @@
 """The Broker: the domain façade the servicers call. One per broker process, built by server.py.
 
-Local API (BrokerService): register_engine, unregister_engine, expect_transfer, transfer, watch,
-cancel, info. Peer API (PeerService): handshake, claim, complete. Lifecycle: start, drain, close.
+Local API (BrokerService): open_session/end_session, register_engine, unregister_engine,
+expect_transfer, transfer, watch, cancel. Peer API (PeerService): handshake, claim, complete.
+Lifecycle: start, drain, close.
 It owns the registry, the transfer table and the backend; it reaches peers through a PeerLink.
 """
 
@@ -10,16 +11,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code, invalid, precondition
+from kvbroker.errors import BrokerError, Code, invalid, not_found, precondition
 from kvbroker.model import ComponentKind, EngineLayout, EngineSpec, State, TransferRole
 from kvbroker.planner import build_descriptors, plan_runs
 from kvbroker.registry import Engine, Registry, check_identifier
@@ -71,6 +73,19 @@ class PeerLink(Protocol):
                        status: TransferStatus, timeout: float) -> State: ...
 
 
+@dataclass
+class Session:
+    """An inference server's hold on its engines: they are unregistered when its stream ends."""
+
+    session_id: str
+    holder: str  # who opened it, as it said, for logs
+    opened_at: float  # wall-clock seconds
+    engine_ids: set[str] = field(default_factory=set)
+
+
+MAX_HOLDER_CHARS = 128
+
+
 @dataclass(frozen=True)
 class Limits:
     max_pages_per_request: int
@@ -118,7 +133,10 @@ class Broker:
         self.registry = Registry(limits.max_pages_per_request, observer=metrics)
         self.table = TransferTable(observer=metrics)  # it also logs each request's end
         self.accepting = True
+        self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
         self._register_lock = asyncio.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._session_tasks: set[asyncio.Task] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -137,26 +155,40 @@ class Broker:
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in busy], timeout=grace_s)
         for record in self.table.live():
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
+        self.stopping.set()
 
     async def close(self) -> None:
+        self.accepting = False
+        self.stopping.set()
+        for session_id in list(self._sessions):
+            self.end_session(session_id, 0.0)
+        if self._session_tasks:
+            await asyncio.wait(self._session_tasks, timeout=self.limits.peer_rpc_timeout_s * 2)
         for engine in self.registry:
+            self.registry.remove(engine.engine_id)
             await self._release(engine)
         await self.backend.close()
 
     # -- engines --------------------------------------------------------------------------------
-    async def register_engine(self, spec: EngineSpec) -> Engine:
+    async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:
+        """Map and register an engine; with `session_id`, it lives only as long as that session."""
         self._check_accepting()
-        async with self._register_lock:  # build() checks overlaps against engines added before it
-            engine = self.registry.build(spec)
+        self._session(session_id)  # NOT_FOUND before any work
+        async with self._register_lock:  # check() compares with the engines added before it
+            self.registry.check(spec)
+            engine = await _in_thread(self.registry.materialise, spec, undo=lambda e: e.release())
             try:
                 engine.backend_handle = await self.backend.register(engine.regions)
+                session = self._session(session_id)  # it may have ended while the memory was mapped
+                engine.session_id = session_id
                 self.registry.add(engine)
+                if session is not None:
+                    session.engine_ids.add(spec.engine_id)
             except BaseException:
-                if engine.backend_handle is not None:
-                    await self.backend.deregister(engine.backend_handle)
-                engine.release()
+                await asyncio.shield(self._release(engine))
                 raise
-        log.info("engine registered", extra={"engine_id": spec.engine_id, "bytes": engine.registered_bytes})
+        log.info("engine registered", extra={"engine_id": spec.engine_id, "bytes": engine.registered_bytes,
+                                             "session_id": session_id})
         return engine
 
     async def unregister_engine(self, engine_id: str, wait_s: float) -> int:
@@ -170,14 +202,63 @@ class Broker:
             failed += await self._abort(record, Code.ABORTED, f"engine {engine_id!r} was unregistered")
         if engine_id in self.registry:
             self.registry.remove(engine_id)
+            if (session := self._sessions.get(engine.session_id)) is not None:
+                session.engine_ids.discard(engine_id)
             await self._release(engine)
         return failed
 
     async def _release(self, engine: Engine) -> None:
         if engine.backend_handle is not None:
-            await self.backend.deregister(engine.backend_handle)
-            engine.backend_handle = None
-        engine.release()
+            handle, engine.backend_handle = engine.backend_handle, None
+            await self.backend.deregister(handle)
+        await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
+
+    # -- sessions -------------------------------------------------------------------------------
+    def open_session(self, holder: str) -> Session:
+        """A session to register engines under; `end_session` releases them."""
+        self._check_accepting()
+        if len(holder) > MAX_HOLDER_CHARS:
+            raise invalid(f"holder: {len(holder)} characters exceed the limit of {MAX_HOLDER_CHARS}")
+        session = Session(f"s-{secrets.token_hex(8)}", holder, time.time())
+        self._sessions[session.session_id] = session
+        log.info("session opened", extra={"session_id": session.session_id, "holder": holder})
+        return session
+
+    def _session(self, session_id: str) -> Session | None:
+        if not session_id:
+            return None
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise not_found(f"session_id: no open session {session_id!r} on this broker (it ended, or the "
+                            "broker restarted); open a new one")
+        return session
+
+    def end_session(self, session_id: str, wait_s: float) -> None:
+        """The session's stream ended: unregister its engines, in a task the broker owns (the stream's
+        handler may be cancelled and cannot wait for in-flight writes)."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        task = asyncio.create_task(self._release_session(session, wait_s), name=f"end session {session_id}")
+        self._session_tasks.add(task)
+        task.add_done_callback(self._session_tasks.discard)
+
+    async def _release_session(self, session: Session, wait_s: float) -> None:
+        released = 0
+        for engine_id in sorted(session.engine_ids):
+            engine = self.registry.find(engine_id)
+            if engine is None or engine.session_id != session.session_id:
+                continue  # unregistered by its server, or registered again under another session
+            try:
+                await self.unregister_engine(engine_id, wait_s)
+                released += 1
+            except BrokerError as exc:  # unregistered meanwhile
+                log.debug("session %s: engine %s: %s", session.session_id, engine_id, exc)
+        log.info("session ended", extra={"session_id": session.session_id, "holder": session.holder,
+                                         "engines_released": released})
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
 
     # -- receiver side --------------------------------------------------------------------------
     async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[ComponentKind],
@@ -363,3 +444,18 @@ class Broker:
             await asyncio.wait([task], timeout=self.limits.peer_rpc_timeout_s * 2)
             return 1
         return int(self.table.fail(record, code, reason))
+
+
+async def _in_thread(fn: Callable, *args, undo: Callable):
+    """`fn(*args)` in a worker thread. If the caller is cancelled meanwhile, the thread still runs to
+    its end, and `undo` (also in a thread) releases what it made, so nothing is left mapped."""
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(None, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        def release(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is None:
+                loop.run_in_executor(None, undo, f.result())
+        future.add_done_callback(release)
+        raise

@@ -9,7 +9,9 @@ GPU memory: `check_cuda_ref` validates a CUDA IPC reference without touching a G
 every layer buffer and engine that names the same handle, closed when the last one lets go) and
 allocates broker-owned pools (`allocate_pool`, laid out by the pure `plan_pool`). It loads the CUDA
 driver on the first GPU reference; a broker without one refuses GPU references, naming the field.
-Everything here is called by the Registry, on the event loop, while it builds or releases an engine.
+Everything here is called by the Registry while it builds or releases an engine, in a worker
+thread (driver calls block, the first for as long as the driver takes to initialise): GpuMemory
+serialises its own state with a lock.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import ctypes
 import mmap
 import os
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +175,7 @@ class GpuMemory:
         self._loaded: GpuDriver | None = None
         self._unavailable = ""
         self._imports: dict[tuple[int, bytes], ImportedAllocation] = {}
+        self._lock = threading.RLock()  # engines are built and released from worker threads
 
     @property
     def imports(self) -> list[ImportedAllocation]:
@@ -179,6 +183,10 @@ class GpuMemory:
 
     def driver(self, field_name: str) -> GpuDriver:
         """The CUDA driver, loaded on first use; without one, INVALID_ARGUMENT naming `field_name`."""
+        with self._lock:
+            return self._driver(field_name)
+
+    def _driver(self, field_name: str) -> GpuDriver:
         if self._loaded is None and not self._unavailable:
             try:
                 self._loaded = self._load()
@@ -195,7 +203,11 @@ class GpuMemory:
 
     def import_allocation(self, ref: CudaIpcRef, field_name: str) -> ImportLease:
         """Open (or share the open of) the allocation `ref` names, checked against what the driver reports."""
-        driver = self.driver(field_name)
+        with self._lock:
+            return self._import(ref, field_name)
+
+    def _import(self, ref: CudaIpcRef, field_name: str) -> ImportLease:
+        driver = self._driver(field_name)
         self._device(driver, ref.device, f"{field_name}.device")
         key = (ref.device, bytes(ref.handle))
         allocation = self._imports.get(key)
@@ -221,10 +233,11 @@ class GpuMemory:
         return lease
 
     def _let_go(self, allocation: ImportedAllocation) -> None:
-        allocation.users -= 1
-        if allocation.users == 0:
-            del self._imports[(allocation.device, allocation.handle)]
-            self.driver("cuda_ipc").close_ipc(allocation.address, allocation.device)
+        with self._lock:
+            allocation.users -= 1
+            if allocation.users == 0:
+                del self._imports[(allocation.device, allocation.handle)]
+                self._driver("cuda_ipc").close_ipc(allocation.address, allocation.device)
 
     def allocate_pool(self, device: int, size: int, field_name: str) -> BrokerPool:
         """`size` zeroed bytes on `device`, owned by the broker and exported by IPC handle."""

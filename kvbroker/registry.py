@@ -1,8 +1,9 @@
 """Engines, components and layer buffers: validation of what a server registers, and lookup.
 
 `validate_spec` checks a declared engine without touching memory (pure, property-tested);
-`Registry.build` also allocates a broker-owned pool when the engine asks for one, resolves memory
-references (memory.py) and refuses overlaps with other engines; the Broker then registers the
+`Registry.check` also refuses a taken id and overlaps with other engines (on the event loop);
+`Registry.materialise` allocates a broker-owned pool when the engine asks for one and resolves
+memory references (memory.py; blocking, so in a worker thread); the Broker then registers the
 regions with the transfer engine and `add`s the engine. Called by the Broker only.
 """
 
@@ -148,6 +149,7 @@ class Engine:
     regions: list[Region]
     held: list[Held] = field(repr=False)  # mapped segments, imported allocations, the broker-owned pool
     backend_handle: object = None
+    session_id: str = ""  # the session that holds it (released when it ends); empty: none
 
     @property
     def engine_id(self) -> str:
@@ -206,6 +208,9 @@ class Registry:
     def __len__(self) -> int:
         return len(self._engines)
 
+    def find(self, engine_id: str) -> Engine | None:
+        return self._engines.get(engine_id)
+
     def get(self, engine_id: str) -> Engine:
         try:
             return self._engines[engine_id]
@@ -213,11 +218,21 @@ class Registry:
             raise not_found(f"engine_id: no engine {engine_id!r} is registered on this broker") from None
 
     def build(self, spec: EngineSpec) -> Engine:
-        """Validate and map an engine; not yet visible. The caller registers its regions, then `add`s it."""
+        """`check`, then `materialise`: an engine mapped but not yet visible."""
+        self.check(spec)
+        return self.materialise(spec)
+
+    def check(self, spec: EngineSpec) -> None:
+        """Everything about a new engine that needs no memory: its declaration, its id, its overlaps."""
         validate_spec(spec, self._max_pages)
         if spec.engine_id in self._engines:
             raise BrokerError(Code.ALREADY_EXISTS, f"engine_id: engine {spec.engine_id!r} is already registered")
         self._check_overlaps(self._spans(spec))
+
+    def materialise(self, spec: EngineSpec) -> Engine:
+        """Map a `check`ed engine: allocate its pool, map segments, open CUDA allocations. It makes
+        blocking system and driver calls, so the Broker runs it off the event loop; it reads nothing
+        of the registry's engines. The caller registers the regions with the backend, then `add`s it."""
         held: list[Held] = []
         try:
             pool = None

@@ -25,11 +25,23 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
             engine_id=engine.engine_id, topology=convert.topology_out(engine.spec.topology),
             components=[convert.component_spec_out(c) for c in engine.spec.components],
             registered_bytes=engine.registered_bytes, memory_ownership=convert.memory_ownership_out(engine.spec),
+            session_id=engine.session_id,
         )
+
+    async def OpenSession(self, request, context):
+        try:
+            session = self._broker.open_session(request.holder)
+        except BrokerError as exc:
+            await context.abort(status_code(exc.code), details(exc.message))
+        try:
+            yield bpb.OpenSessionResponse(session_id=session.session_id)
+            await self._broker.stopping.wait()  # or the caller goes: the handler is cancelled
+        finally:
+            self._broker.end_session(session.session_id, self._unregister_wait_s)
 
     @translate_errors
     async def RegisterEngine(self, request, context):
-        engine = await self._broker.register_engine(convert.engine_spec_in(request))
+        engine = await self._broker.register_engine(convert.engine_spec_in(request), request.session_id)
         return bpb.RegisterEngineResponse(engine=self._engine_info(engine))
 
     @translate_errors
@@ -79,5 +91,8 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
             peers=[bpb.PeerInfo(address=p.address, broker_id=p.broker_id, epoch=p.epoch, handshakes=p.handshakes)
                    for p in self._peers.records.values()],
             request_counts=dict(broker.table.counts),
+            sessions=[bpb.SessionInfo(session_id=x.session_id, holder=x.holder, engine_ids=sorted(x.engine_ids),
+                                      opened_unix_ms=int(x.opened_at * 1000))
+                      for x in broker.sessions()],
         )
 

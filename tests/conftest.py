@@ -102,7 +102,7 @@ class Engines:
 
     async def make(self, broker: Broker, role: str, shape: demo.ModelShape = SMALL,
                    components=("MAIN_KV", "MINIMAX_INDEX_K"), main_layout: str = "KV_SPLIT",
-                   fill: str = "random", seed: int = 0, **topology) -> Engine:
+                   fill: str = "random", seed: int = 0, session_id: str = "", **topology) -> Engine:
         number = next(_engine_numbers)
         placements = demo.place_buffers(shape, components, main_layout)
         segment = SharedSegment.create(demo.pool_size(shape, placements), f"kvbt-{role}")
@@ -113,6 +113,7 @@ class Engines:
         engine_id = f"{role}-{os.getpid()}-{number}/tp0"
         request = demo.register_request(engine_id, shape, segment, placements, main_layout,
                                         demo.topology(shape, **topology))
+        request.session_id = session_id
         engine = Engine(broker, engine_id, shape, segment, placements,
                         [c.component for c in request.components])
         self._made.append(engine)

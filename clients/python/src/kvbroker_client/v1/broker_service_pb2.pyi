@@ -18,19 +18,33 @@ MEMORY_OWNERSHIP_UNSPECIFIED: MemoryOwnership
 MEMORY_OWNERSHIP_SERVER: MemoryOwnership
 MEMORY_OWNERSHIP_BROKER: MemoryOwnership
 
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("holder",)
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    def __init__(self, holder: _Optional[str] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
 class RegisterEngineRequest(_message.Message):
-    __slots__ = ("engine_id", "topology", "components", "memory_ownership", "allocation_device")
+    __slots__ = ("engine_id", "topology", "components", "memory_ownership", "allocation_device", "session_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_OWNERSHIP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATION_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     topology: _common_pb2.Topology
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentSpec]
     memory_ownership: MemoryOwnership
     allocation_device: int
-    def __init__(self, engine_id: _Optional[str] = ..., topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentSpec, _Mapping]]] = ..., memory_ownership: _Optional[_Union[MemoryOwnership, str]] = ..., allocation_device: _Optional[int] = ...) -> None: ...
+    session_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentSpec, _Mapping]]] = ..., memory_ownership: _Optional[_Union[MemoryOwnership, str]] = ..., allocation_device: _Optional[int] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class RegisterEngineResponse(_message.Message):
     __slots__ = ("engine",)
@@ -129,7 +143,7 @@ class GetBrokerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBrokerInfoResponse(_message.Message):
-    __slots__ = ("broker_id", "epoch", "version", "backend", "peer_address", "engines", "peers", "request_counts")
+    __slots__ = ("broker_id", "epoch", "version", "backend", "peer_address", "engines", "peers", "request_counts", "sessions")
     class RequestCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +159,7 @@ class GetBrokerInfoResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     epoch: int
     version: str
@@ -153,21 +168,36 @@ class GetBrokerInfoResponse(_message.Message):
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     request_counts: _containers.ScalarMap[str, int]
-    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., backend: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., request_counts: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., backend: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., request_counts: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "holder", "engine_ids", "opened_unix_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_IDS_FIELD_NUMBER: _ClassVar[int]
+    OPENED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    holder: str
+    engine_ids: _containers.RepeatedScalarFieldContainer[str]
+    opened_unix_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., holder: _Optional[str] = ..., engine_ids: _Optional[_Iterable[str]] = ..., opened_unix_ms: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("engine_id", "topology", "components", "registered_bytes", "memory_ownership")
+    __slots__ = ("engine_id", "topology", "components", "registered_bytes", "memory_ownership", "session_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TOPOLOGY_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_OWNERSHIP_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     topology: _common_pb2.Topology
     components: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentSpec]
     registered_bytes: int
     memory_ownership: MemoryOwnership
-    def __init__(self, engine_id: _Optional[str] = ..., topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentSpec, _Mapping]]] = ..., registered_bytes: _Optional[int] = ..., memory_ownership: _Optional[_Union[MemoryOwnership, str]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., topology: _Optional[_Union[_common_pb2.Topology, _Mapping]] = ..., components: _Optional[_Iterable[_Union[_common_pb2.ComponentSpec, _Mapping]]] = ..., registered_bytes: _Optional[int] = ..., memory_ownership: _Optional[_Union[MemoryOwnership, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class PeerInfo(_message.Message):
     __slots__ = ("address", "broker_id", "epoch", "handshakes")

@@ -36,6 +36,11 @@ class BrokerServiceStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.OpenSession = channel.unary_stream(
+                '/kvbroker.v1.BrokerService/OpenSession',
+                request_serializer=kvbroker_dot_v1_dot_broker__service__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
         self.RegisterEngine = channel.unary_unary(
                 '/kvbroker.v1.BrokerService/RegisterEngine',
                 request_serializer=kvbroker_dot_v1_dot_broker__service__pb2.RegisterEngineRequest.SerializeToString,
@@ -76,6 +81,17 @@ class BrokerServiceStub:
 class BrokerServiceServicer:
     """The API a local inference server calls on its own broker (Unix socket or localhost).
     """
+
+    def OpenSession(self, request, context):
+        """Opens a session that holds the caller's engines for as long as this stream stays open. The first
+        response carries the session id to name in RegisterEngineRequest.session_id. When the stream
+        ends for any reason (the server cancels it, exits or crashes), the broker unregisters every
+        engine registered under it, as UnregisterEngine would. The broker ends the stream itself (OK)
+        only when it shuts down.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def RegisterEngine(self, request, context):
         """Registers one engine (an inference-server rank) with its topology and memory regions.
@@ -129,6 +145,11 @@ class BrokerServiceServicer:
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'OpenSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.OpenSessionRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__service__pb2.OpenSessionResponse.SerializeToString,
+            ),
             'RegisterEngine': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterEngine,
                     request_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.RegisterEngineRequest.FromString,
@@ -175,6 +196,33 @@ def add_BrokerServiceServicer_to_server(servicer, server):
 class BrokerService:
     """The API a local inference server calls on its own broker (Unix socket or localhost).
     """
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvbroker.v1.BrokerService/OpenSession',
+            kvbroker_dot_v1_dot_broker__service__pb2.OpenSessionRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__service__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def RegisterEngine(request,
