@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import numpy as np
@@ -290,20 +291,98 @@ async def test_unregistering_an_engine_aborts_its_grants(decode_client, pools):
     assert_raised(info, Aborted, grpc.StatusCode.ABORTED, "unregistered")
 
 
+# -- sessions ----------------------------------------------------------------------------------------
+async def test_engines_are_held_by_the_clients_session(client_brokers, pools):
+    dst = pool_engine(pools, unique("decode"), fill="canary")
+    async with await connect(client_brokers.decode.listen, holder="decode-0 test") as client:
+        engine = await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        info = await client.info()
+        assert engine.session_id == client.session_id != ""
+    assert client.session_id == ""  # closed with the client
+    [session] = [x for x in info.sessions if x.session_id == engine.session_id]
+    assert (session.holder, session.engine_ids) == ("decode-0 test", (dst.engine_id,))
+
+
+async def test_closing_the_client_releases_its_engines_and_fails_their_grants(client_brokers, pools):
+    dst = pool_engine(pools, unique("decode"), fill="canary")
+    async with await connect(client_brokers.decode.listen, session=False) as bystander:
+        client = await connect(client_brokers.decode.listen)
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        rid = unique("req")
+        await bystander.expect_transfer(dst.engine_id, rid, [1, 2])  # a grant on the held engine
+        waiting = asyncio.create_task(bystander.wait(dst.engine_id, rid, timeout=30))
+        await client.close()
+        with pytest.raises(Aborted) as info:
+            await waiting
+        assert dst.engine_id not in (await bystander.info()).engine_ids
+    assert_raised(info, Aborted, grpc.StatusCode.ABORTED, f"engine {dst.engine_id!r} was unregistered")
+
+
+async def test_without_a_session_engines_outlive_the_client(client_brokers, pools):
+    dst = pool_engine(pools, unique("decode"), fill="canary")
+    async with await connect(client_brokers.decode.listen, session=False) as client:
+        engine = await client.register_engine(dst.engine_id, dst.topology, dst.components)
+    assert engine.session_id == "" and client.session_id == ""
+    async with await connect(client_brokers.decode.listen, session=False) as other:
+        assert dst.engine_id in (await other.info()).engine_ids
+        assert await other.unregister_engine(dst.engine_id) == 0
+
+
+async def test_broker_owned_memory_is_asked_for_by_the_client(client_brokers, pools):
+    """The CPU broker has no CUDA: its refusal names the broker's pool, so the ownership reached it."""
+    src = pool_engine(pools, unique("prefill"), fill="random")
+    bare = [ComponentSpec(c.component, c.layout, c.num_pages,
+                          tuple(dataclasses.replace(b, memory=None) for b in c.layer_buffers))
+            for c in src.components]
+    async with await connect(client_brokers.prefill.listen) as client:
+        with pytest.raises(InvalidArgument) as info:
+            await client.register_engine(src.engine_id, src.topology, bare, memory_ownership="broker")
+        with pytest.raises(InvalidArgument) as unknown:
+            await client.register_engine(src.engine_id, src.topology, src.components, memory_ownership="both")
+    assert_raised(info, InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT,
+                  "memory_ownership: MEMORY_OWNERSHIP_BROKER", "no CUDA support")
+    assert "memory_ownership: 'both' is not one of ['broker', 'server']" in unknown.value.reason
+
+
+async def test_a_session_lost_without_a_restart_is_opened_again_with_the_engines(client_brokers, pools):
+    """A session stream that breaks while the broker lives (the connection dropped; here the client's
+    call is cancelled under it) loses the engines; the next call that misses one registers them again."""
+    dst = pool_engine(pools, unique("decode"), fill="canary")
+    async with await connect(client_brokers.decode.listen) as client:
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        lost = client.session_id
+        rid = unique("req")
+        await client.expect_transfer(dst.engine_id, rid, [1])
+        waiting = asyncio.create_task(client.wait(dst.engine_id, rid, timeout=30))
+        client._session_call.cancel()
+        with pytest.raises(Aborted):
+            await waiting  # the broker released the engine: its grant failed
+        status = await client.expect_transfer(dst.engine_id, unique("req"), [2], timeout=30)
+        info = await client.info()
+        assert status.state is TransferState.PENDING
+        assert client.session_id not in ("", lost)
+        assert [x.engine_ids for x in info.sessions if x.session_id == client.session_id] == [(dst.engine_id,)]
+    assert client.restarts_seen == 0
+
+
 # -- broker restarts -------------------------------------------------------------------------------
 async def test_client_registers_its_engines_again_after_a_restart_on_the_same_port(brokers_of_test, pools):
     broker = await brokers_of_test.start()
     async with await connect(broker.listen) as client:
         dst = pool_engine(pools, unique("decode"), fill="canary")
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
-        old_epoch = client.epoch
+        old_epoch, old_session = client.epoch, client.session_id
         broker = await brokers_of_test.restart(broker)
         status = await client.expect_transfer(dst.engine_id, unique("req"), [1, 2], timeout=30)
         assert status.state is TransferState.PENDING
         info = await client.info()
+        new_session = client.session_id
     assert client.restarts_seen == 1
     assert info.epoch == client.epoch != old_epoch
     assert info.engine_ids == (dst.engine_id,)
+    # a new session holds the engine: the old one went with the old broker
+    assert info.engines[0].session_id == new_session not in ("", old_session)
+    assert [x.engine_ids for x in info.sessions] == [(dst.engine_id,)]
 
 
 async def test_info_notices_a_new_epoch_and_registers_again(brokers_of_test, pools):
@@ -390,3 +469,26 @@ async def test_unregistering_an_engine_the_restart_released_returns_zero(brokers
         assert await client.unregister_engine(dst.engine_id) == 0
         assert (await client.info()).engine_ids == ()
     assert client.restarts_seen == 1
+
+
+async def test_a_broker_owned_engine_is_not_registered_again_after_a_restart(brokers_of_test, pools):
+    """Its pool went with the old broker, so registering the old request again would hand the server
+    a new, empty pool behind its back. No broker without CUDA allocates pools: a shared-memory engine
+    stands in, marked broker-owned in the client's record, which is all the restart logic reads."""
+    from kvbroker_client.v1 import broker_service_pb2 as bpb
+
+    broker = await brokers_of_test.start()
+    async with await connect(broker.listen) as client:
+        pooled, kept = (pool_engine(pools, unique("decode"), fill="canary") for _ in range(2))
+        for engine in (pooled, kept):
+            await client.register_engine(engine.engine_id, engine.topology, engine.components)
+        client._engines[pooled.engine_id].memory_ownership = bpb.MEMORY_OWNERSHIP_BROKER
+        await brokers_of_test.restart(broker)
+        with pytest.raises(NotFound) as info:
+            await client.expect_transfer(pooled.engine_id, unique("req"), [1], timeout=30)
+        assert client.lost_engines == (pooled.engine_id,)
+        assert (await client.info()).engine_ids == (kept.engine_id,)
+        assert await client.unregister_engine(pooled.engine_id) == 0
+        assert client.lost_engines == ()
+    assert_raised(info, NotFound, grpc.StatusCode.NOT_FOUND, "broker-owned memory",
+                  "register it again and use the new pool")

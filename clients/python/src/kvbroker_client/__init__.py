@@ -41,6 +41,7 @@ from kvbroker_client.model import (
     Layout,
     MemoryRef,
     PeerInfo,
+    SessionInfo,
     SharedMemoryRef,
     Topology,
     TransferRole,
@@ -52,6 +53,6 @@ __all__ = [
     "Aborted", "AlreadyExists", "BrokerClient", "BrokerError", "BrokerInfo", "BufferRole", "Cancelled", "Component",
     "ComponentSpec", "CudaIpcRef", "DataLoss", "DeadlineExceeded", "EngineInfo", "FailedPrecondition", "Internal",
     "InvalidArgument", "KvDtype", "LayerBuffer", "Layout", "MemoryRef", "NotFound", "OutOfRange", "PeerInfo",
-    "PermissionDenied", "ResourceExhausted", "SharedMemoryRef", "Topology", "TransferRole", "TransferState",
-    "TransferStatus", "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "error_for_code",
+    "PermissionDenied", "ResourceExhausted", "SessionInfo", "SharedMemoryRef", "Topology", "TransferRole",
+    "TransferState", "TransferStatus", "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "error_for_code",
 ]

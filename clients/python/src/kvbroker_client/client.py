@@ -11,18 +11,30 @@ Every call has a deadline: `timeout` (unary calls) or `transfer_timeout` (transf
 unless the call passes its own; it bounds the whole call, reconnection included. Failures raise
 the typed errors of `kvbroker_client.errors`.
 
+Sessions: by default the engines a client registers are held by a session (OpenSession), a
+stream the client keeps open from its first registration until `close()`. When this process
+exits or crashes, the stream ends and the broker unregisters the engines: nothing stays mapped or
+registered in the broker's name. `BrokerClient(..., session=False)` registers engines that stay
+until `unregister_engine`, whatever becomes of this process.
+
 Broker restarts: the client remembers the engines it registered and the broker's epoch. When a
 call fails with UNAVAILABLE, or with NOT_FOUND while it holds engines, it asks the broker for its
 epoch (waiting for it to come back, within the call's deadline); a new epoch means a new broker
-process, so it registers the engines again and retries the call once. `transfer` is retried only
-after NOT_FOUND: after UNAVAILABLE it may have reached the old broker and half-run. `info()`
-notices a new epoch the same way. Requests in flight at the restart are lost with the old broker.
+process (and a session that ended without the broker restarting means the same for our engines),
+so it opens a new session, registers the engines again and retries the call once. `transfer` is
+retried only after NOT_FOUND: after UNAVAILABLE it may have reached the old broker and half-run.
+`info()` notices a new epoch the same way. Requests in flight at the restart are lost with the
+old broker. Engines with broker-owned memory (`memory_ownership="broker"`) are not registered
+again: their pool went with the old broker, so the server must register them itself and use the
+new pool (`lost_engines` lists them; their calls raise NotFound saying so).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import grpc
@@ -66,6 +78,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
 )
 
 ComponentLike = Component | int | str
+_OWNERSHIP = {"server": bpb.MEMORY_OWNERSHIP_SERVER, "broker": bpb.MEMORY_OWNERSHIP_BROKER}
 PageIds = Sequence[int] | np.ndarray
 
 
@@ -96,7 +109,10 @@ class BrokerClient:
 
     def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT_S,
                  transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S,
-                 channel_options: Sequence[tuple[str, object]] = ()) -> None:
+                 channel_options: Sequence[tuple[str, object]] = (), session: bool = True,
+                 holder: str = "") -> None:
+        """`session`: hold registered engines by a session (see the module's map); `holder` names this
+        process in the broker's logs and GetBrokerInfo (default: host and pid)."""
         self.target = target
         self.timeout = timeout
         self.transfer_timeout = transfer_timeout
@@ -105,9 +121,16 @@ class BrokerClient:
         self._channel = grpc.aio.insecure_channel(target, options=list(options.items()))
         self._stub = bpb_grpc.BrokerServiceStub(self._channel)
         self._engines: dict[str, bpb.RegisterEngineRequest] = {}  # what to register again after a restart
+        self._lost: set[str] = set()  # broker-owned engines a restart took with it
         self._epoch: int | None = None
         self._recovery = asyncio.Lock()
         self.restarts_seen = 0
+        self._use_session = session
+        self.holder = holder or f"{socket.gethostname()} pid {os.getpid()}"
+        self._session_id = ""  # empty: no session open (none yet, or it ended)
+        self._session_call: grpc.aio.UnaryStreamCall | None = None
+        self._session_task: asyncio.Task | None = None  # reads the stream, to learn when it ends
+        self._session_lock = asyncio.Lock()
 
     @classmethod
     async def connect(cls, target: str, **kwargs) -> BrokerClient:
@@ -124,6 +147,8 @@ class BrokerClient:
         return client
 
     async def close(self) -> None:
+        """Close the channel. With a session, the broker then unregisters this client's engines."""
+        await self._end_session()
         await self._channel.close()
 
     async def __aenter__(self) -> BrokerClient:
@@ -141,6 +166,16 @@ class BrokerClient:
     def registered_engines(self) -> tuple[str, ...]:
         return tuple(self._engines)
 
+    @property
+    def session_id(self) -> str:
+        """The open session holding this client's engines; empty when none is open."""
+        return self._session_id
+
+    @property
+    def lost_engines(self) -> tuple[str, ...]:
+        """Broker-owned engines a broker restart released; register them again to get a new pool."""
+        return tuple(sorted(self._lost))
+
     # -- the API -------------------------------------------------------------------------------
     async def info(self, *, timeout: float | None = None, wait_for_ready: bool = False) -> BrokerInfo:
         """The broker's identity, engines, peers and counters. Re-registers engines after a restart."""
@@ -156,19 +191,34 @@ class BrokerClient:
 
     async def register_engine(self, engine_id: str, topology: Topology | pb.Topology,
                               components: Sequence[ComponentSpec | pb.ComponentSpec], *,
+                              memory_ownership: str = "server", allocation_device: int = 0,
                               timeout: float | None = None) -> EngineInfo:
-        """Register an engine; the client registers it again whenever the broker restarts."""
+        """Register an engine; the client registers it again whenever the broker restarts.
+
+        `memory_ownership="broker"`: the broker allocates one GPU pool on `allocation_device` (no
+        layer buffer names memory) and the returned EngineInfo says where each buffer is in it;
+        such an engine is not registered again after a restart (see `lost_engines`).
+        """
         deadline = self._deadline(timeout, self.timeout)
+        if memory_ownership not in _OWNERSHIP:
+            raise InvalidArgument(f"memory_ownership: {memory_ownership!r} is not one of {sorted(_OWNERSHIP)}")
         if self._epoch is None:  # a restart can only be told from the epoch the engine was registered under
             await self.info(timeout=self._remaining(deadline))
         request = bpb.RegisterEngineRequest(engine_id=engine_id, topology=_topology(topology),
-                                            components=[_component_spec(c) for c in components])
+                                            components=[_component_spec(c) for c in components],
+                                            memory_ownership=_OWNERSHIP[memory_ownership],
+                                            allocation_device=allocation_device)
+        request.session_id = await self._session(deadline)
         reply = await self._unary("RegisterEngine", request, deadline)
         self._engines[engine_id] = request
+        self._lost.discard(engine_id)
         return EngineInfo.from_proto(reply.engine)
 
     async def unregister_engine(self, engine_id: str, *, timeout: float | None = None) -> int:
         """Release an engine; returns the number of its requests that were failed by it."""
+        if engine_id in self._lost:
+            self._lost.discard(engine_id)
+            return 0  # the restart that lost its pool released it
         ours = self._engines.pop(engine_id, None) is not None
         deadline, epoch = self._deadline(timeout, self.timeout), self._epoch
         try:
@@ -274,17 +324,25 @@ class BrokerClient:
         may_be_restart = code is grpc.StatusCode.UNAVAILABLE or (
             code is grpc.StatusCode.NOT_FOUND and bool(self._engines))
         if not (may_be_restart and await self._recover(deadline, since=seen)):
-            raise error
+            raise self._explain_lost(error, request)
         if code is grpc.StatusCode.UNAVAILABLE and not retry_unavailable:
             raise error
         try:
             return await getattr(self._stub, method)(request, timeout=self._remaining(deadline))
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc) from None
+            raise self._explain_lost(from_rpc_error(exc), request) from None
+
+    def _explain_lost(self, error: BrokerError, request) -> BrokerError:
+        engine_id = getattr(request, "engine_id", "")
+        if isinstance(error, NotFound) and engine_id in self._lost:
+            return NotFound(f"{error.reason}; engine {engine_id!r} had broker-owned memory, which went with the "
+                            "broker's restart: register it again and use the new pool")
+        return error
 
     async def _recover(self, deadline: float, *, since: int | None = None,
                        seen: bpb.GetBrokerInfoResponse | None = None) -> bool:
-        """True when the broker is a new process (epoch changed) and the engines are registered again."""
+        """True when the broker lost our engines (a new epoch: a new process; or our session ended)
+        and they are registered again."""
         if self._epoch is None:
             return False
         async with self._recovery:
@@ -297,11 +355,17 @@ class BrokerClient:
                 except grpc.aio.AioRpcError:
                     return False  # still gone within the deadline: the caller sees the original error
             if seen.epoch == self._epoch:
-                return False
-            log.warning("broker %s restarted (epoch %d -> %d); registering %d engine(s) again",
-                        self.target, self._epoch, seen.epoch, len(self._engines))
+                open_sessions = {s.session_id for s in seen.sessions}
+                if not (self._use_session and self._engines and self._session_id not in open_sessions):
+                    return False
+                log.warning("broker %s ended this client's session; registering %d engine(s) again",
+                            self.target, len(self._engines))
+            else:
+                log.warning("broker %s restarted (epoch %d -> %d); registering %d engine(s) again",
+                            self.target, self._epoch, seen.epoch, len(self._engines))
+                self.restarts_seen += 1
             self._epoch = seen.epoch
-            self.restarts_seen += 1
+            await self._end_session()  # whatever the client still holds of the old session
             await self._register_again(deadline, {e.engine_id for e in seen.engines})
             return True
 
@@ -310,11 +374,69 @@ class BrokerClient:
         for engine_id, request in list(self._engines.items()):
             if engine_id in present:
                 continue
+            if request.memory_ownership == bpb.MEMORY_OWNERSHIP_BROKER:
+                del self._engines[engine_id]
+                self._lost.add(engine_id)
+                log.error("engine %s had broker-owned memory, which went with the broker's restart; the server "
+                          "must register it again and use the new pool", engine_id)
+                continue
             try:
+                request.session_id = await self._session(deadline)
                 await self._stub.RegisterEngine(request, timeout=self._remaining(deadline))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is not grpc.StatusCode.ALREADY_EXISTS:
                     failures.append(from_rpc_error(exc))
                     log.error("could not register engine %s again: %s", engine_id, failures[-1])
+            except BrokerError as exc:
+                failures.append(exc)
+                log.error("could not register engine %s again: %s", engine_id, exc)
         if failures:
             raise failures[0]
+
+    # -- the session ------------------------------------------------------------------------------
+    async def _session(self, deadline: float) -> str:
+        """The id of an open session, opened now if none is; empty when sessions are off."""
+        if not self._use_session:
+            return ""
+        async with self._session_lock:
+            if self._session_id:
+                return self._session_id
+            call = self._stub.OpenSession(bpb.OpenSessionRequest(holder=self.holder))
+            try:
+                first = await asyncio.wait_for(call.read(), self._remaining(deadline))
+            except TimeoutError:
+                call.cancel()
+                raise DeadlineExceeded(f"no session opened on {self.target} before the deadline") from None
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc) from None
+            except BaseException:
+                call.cancel()
+                raise
+            if first is grpc.aio.EOF:
+                raise Unavailable(f"the broker at {self.target} ended the session as it opened it (shutting down)")
+            self._session_call, self._session_id = call, first.session_id
+            self._session_task = asyncio.create_task(self._hold(call, first.session_id),
+                                                     name=f"kvbroker session {first.session_id}")
+            return self._session_id
+
+    async def _hold(self, call: grpc.aio.UnaryStreamCall, session_id: str) -> None:
+        """Read the session's stream until it ends; then the session is gone, and so are its engines."""
+        try:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+            reason = "the broker ended it"
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        if self._session_id == session_id:
+            self._session_id, self._session_call = "", None
+            log.warning("session %s with %s ended (%s); the broker released its engines", session_id,
+                        self.target, reason)
+
+    async def _end_session(self) -> None:
+        call, task = self._session_call, self._session_task
+        self._session_id, self._session_call, self._session_task = "", None, None
+        if call is not None:
+            call.cancel()
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

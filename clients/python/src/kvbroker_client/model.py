@@ -108,11 +108,14 @@ class CudaIpcRef:
 MemoryRef = SharedMemoryRef | CudaIpcRef
 
 
-def _memory_from_proto(message: pb.MemoryRef) -> MemoryRef:
-    if message.WhichOneof("kind") == "cuda_ipc":
+def _memory_from_proto(message: pb.MemoryRef) -> MemoryRef | None:
+    which = message.WhichOneof("kind")
+    if which == "cuda_ipc":
         c = message.cuda_ipc
         return CudaIpcRef(c.handle, c.device, c.offset, c.allocation_size)
-    return SharedMemoryRef(message.shared_memory.name, message.shared_memory.offset)
+    if which == "shared_memory":
+        return SharedMemoryRef(message.shared_memory.name, message.shared_memory.offset)
+    return None
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ class LayerBuffer:
 
     layer_id: int  # global layer id
     role: BufferRole
-    memory: MemoryRef
+    memory: MemoryRef | None  # None when the broker allocates (register_engine(memory_ownership="broker"))
     length: int  # bytes; at least num_pages * item_len
     item_len: int  # bytes of one page
 
@@ -130,7 +133,8 @@ class LayerBuffer:
         return self.length // self.item_len
 
     def to_proto(self) -> pb.LayerBuffer:
-        return pb.LayerBuffer(layer_id=self.layer_id, role=int(self.role), memory=self.memory.to_proto(),
+        return pb.LayerBuffer(layer_id=self.layer_id, role=int(self.role),
+                              memory=None if self.memory is None else self.memory.to_proto(),
                               length=self.length, item_len=self.item_len)
 
     @classmethod
@@ -202,11 +206,14 @@ class EngineInfo:
     topology: Topology
     components: tuple[ComponentSpec, ...]
     registered_bytes: int
+    memory_ownership: str = "server"  # "broker": each buffer's memory is its place in the broker's pool
+    session_id: str = ""  # the session that holds it; empty when none does
 
     @classmethod
     def from_proto(cls, m: bpb.EngineInfo) -> EngineInfo:
         return cls(m.engine_id, Topology.from_proto(m.topology),
-                   tuple(ComponentSpec.from_proto(c) for c in m.components), m.registered_bytes)
+                   tuple(ComponentSpec.from_proto(c) for c in m.components), m.registered_bytes,
+                   "broker" if m.memory_ownership == bpb.MEMORY_OWNERSHIP_BROKER else "server", m.session_id)
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,16 @@ class PeerInfo:
     broker_id: str
     epoch: int
     handshakes: int
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """An open session and the engines it holds."""
+
+    session_id: str
+    holder: str
+    engine_ids: tuple[str, ...]
+    opened_unix_ms: int
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,7 @@ class BrokerInfo:
     engines: tuple[EngineInfo, ...]
     peers: tuple[PeerInfo, ...]
     request_counts: Mapping[str, int] = field(default_factory=dict)
+    sessions: tuple[SessionInfo, ...] = ()
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
@@ -239,7 +257,9 @@ class BrokerInfo:
         return cls(m.broker_id, m.epoch, m.version, m.backend, m.peer_address,
                    tuple(EngineInfo.from_proto(e) for e in m.engines),
                    tuple(PeerInfo(p.address, p.broker_id, p.epoch, p.handshakes) for p in m.peers),
-                   dict(m.request_counts))
+                   dict(m.request_counts),
+                   tuple(SessionInfo(x.session_id, x.holder, tuple(x.engine_ids), x.opened_unix_ms)
+                         for x in m.sessions))
 
 
 @dataclass(frozen=True)
