@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,6 +42,8 @@ from kvbroker.model import (
     Topology,
 )
 from kvbroker.topology import reject_index_with_value
+
+log = logging.getLogger(__name__)
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 ROLES_BY_LAYOUT = {Layout.FLAT: (Role.FLAT,), Layout.KV_SPLIT: (Role.K, Role.V)}
@@ -168,8 +171,14 @@ class Held(Protocol):
 
 
 def _close_all(held: list[Held]) -> None:
+    """Close each; one that fails (a driver that refuses to close the allocation of a server that
+    died) is logged, and the others are still closed."""
     while held:  # the pool last: it was allocated first
-        held.pop().close()
+        item = held.pop()
+        try:
+            item.close()
+        except Exception:
+            log.exception("could not release %r; releasing the rest", item)
 
 
 @dataclass

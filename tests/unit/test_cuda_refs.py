@@ -235,6 +235,22 @@ def test_allocations_on_two_devices_are_both_opened(registry, driver):
     assert driver.open_now == 0
 
 
+def test_an_allocation_the_driver_will_not_close_does_not_keep_the_others_open(registry, driver, caplog):
+    engine = registry.build(spec(index_k(cuda_buf(2), cuda_buf(3, handle=HANDLE_B, device=1))))
+    refused = driver.exported[HANDLE_A].address
+
+    def close_ipc(address: int, device: int) -> None:
+        if address == refused:  # e.g. the exporting server died and the driver already dropped it
+            raise CudaError("cuIpcCloseMemHandle", 1, "CUDA_ERROR_INVALID_VALUE")
+        driver.closed.append(address)
+
+    driver.close_ipc = close_ipc
+    engine.release()
+    assert driver.closed == [driver.exported[HANDLE_B].address]
+    assert registry._gpu.imports == []  # the refused one is forgotten too: nothing would close it later
+    assert "cuIpcCloseMemHandle failed: CUDA_ERROR_INVALID_VALUE" in caplog.text
+
+
 def test_overlapping_regions_of_one_allocation_are_refused_across_engines(registry):
     registry.add(registry.build(spec(index_k(cuda_buf(2)), engine_id="a")))
     error = refusal(registry.build, spec(index_k(cuda_buf(2, offset=512)), engine_id="b"))
