@@ -12,7 +12,8 @@ decode side takes the second):
   that the broker opens) and `broker` (the broker allocates and the server opens the handle it gets
   back). The decode side grants a fragmented page list, the prefill side transfers both components
   with one page list; the destination pool is then read back and checked byte by byte against the
-  source (moved pages) and its canary (every other byte), the source against itself;
+  source (moved pages) and its canary (every other byte), the source against itself; then the
+  decode server is SIGKILLed, and its broker must release the engine of the ended session;
 - the same page lists become the same descriptors for two Backend instances of the same engine in
   this process (no broker), over pools this process allocated;
 - a device-to-device copy of the same number of bytes (torch) is the ceiling.
@@ -195,16 +196,22 @@ def serve(role: str, broker: str, device: int, ownership: str, shape: demo.Model
     torch.cuda.set_device(cuda)
     placements = demo.place_buffers(shape)
     stub = bpb_grpc.BrokerServiceStub(grpc.insecure_channel(broker))
+    session = stub.OpenSession(bpb.OpenSessionRequest(holder=f"gpu-check {role} pid {os.getpid()}"))
+    session_id = next(session).session_id  # the engine is released when this process goes, however it goes
     opened = driver = None
     if ownership == "server":
         pool = torch.empty(demo.pool_size(shape, placements), dtype=torch.uint8, device=cuda)
         refs = [cuda_ipc_ref(pool[p.offset:p.offset + shape.num_pages * p.item_len]) for p in placements]
-        reply = stub.RegisterEngine(register_request(engine_id, shape, placements, refs, device), timeout=120)
+        request = register_request(engine_id, shape, placements, refs, device)
+        request.session_id = session_id
+        reply = stub.RegisterEngine(request, timeout=120)
         offsets = [p.offset for p in placements]
     else:
         from kvbroker.cuda import load_driver
 
-        reply = stub.RegisterEngine(register_request(engine_id, shape, placements, None, device), timeout=120)
+        request = register_request(engine_id, shape, placements, None, device)
+        request.session_id = session_id
+        reply = stub.RegisterEngine(request, timeout=120)
         refs = [b.memory.cuda_ipc for c in reply.engine.components for b in c.layer_buffers]
         if len({(r.handle, r.device, r.allocation_size) for r in refs}) != 1:
             raise RuntimeError("a broker-owned engine's layer buffers must name one pool")
@@ -233,6 +240,7 @@ def serve(role: str, broker: str, device: int, ownership: str, shape: demo.Model
         torch.cuda.synchronize(cuda)
         driver.close_ipc(opened.address, device)
     stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=engine_id), timeout=60)
+    session.cancel()
     return 0
 
 
@@ -328,13 +336,15 @@ async def broker_stage(check: Check, ownership: str, shape: demo.ModelShape, dev
                         return {"ok": False, "verified": False, **first, "error": "destination bytes differ"}
                 else:
                     seconds.append(elapsed)
-        after = mismatches(await decode.dump(str(scratch / "dst"), left()), expected)
-        source = mismatches(await prefill.dump(str(scratch / "src"), left()), src)
+            after = mismatches(await decode.dump(str(scratch / "dst"), left()), expected)
+            source = mismatches(await prefill.dump(str(scratch / "src"), left()), src)
+            released = await session_end(decode, d_stub, min(60.0, left()))
         verified = after["mismatched_bytes"] == 0 and source["mismatched_bytes"] == 0
-        return {"ok": verified, "verified": verified, **after, "source_mismatched_bytes": source["mismatched_bytes"],
+        return {"ok": verified and released["released"], "verified": verified, **after,
+                "source_mismatched_bytes": source["mismatched_bytes"],
                 "memory_ownership": prefill.ready["memory_ownership"], "pages": status.pages, "runs": status.runs,
                 "descriptors": status.runs * len(placements), "broker_duration_us": status.duration_us,
-                **figures(status.bytes, seconds)}
+                "session_end": released, **figures(status.bytes, seconds)}
     except BaseException:
         for broker in brokers:  # what the brokers logged goes with the failure, on stderr
             print(f"-- {broker.broker_id} (pid {broker.pid}), last lines:", *broker.stderr_lines[-30:],
@@ -345,6 +355,24 @@ async def broker_stage(check: Check, ownership: str, shape: demo.ModelShape, dev
             await server.stop()
         for broker in brokers:
             await broker.stop()
+
+
+async def session_end(server: Server, stub, timeout: float) -> dict:
+    """SIGKILL the server: its session's stream ends, and its broker must release the engine (close
+    the imported allocation, or free its broker-owned pool) with no UnregisterEngine."""
+    from kvbroker_client.v1 import broker_service_pb2 as bpb
+
+    server.process.kill()
+    await server.process.wait()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while loop.time() - started < timeout:
+        info = await stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=10)
+        if server.ready["engine_id"] not in {e.engine_id for e in info.engines}:
+            return {"released": True, "seconds": round(loop.time() - started, 3)}
+        await asyncio.sleep(0.05)
+    return {"released": False, "seconds": round(loop.time() - started, 3),
+            "error": f"the engine was still registered {timeout:.0f}s after its server was killed"}
 
 
 def gpu_buffers(shape: demo.ModelShape, placements, base: int, device: int):
