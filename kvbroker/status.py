@@ -2,7 +2,7 @@
 
 `query` asks a broker (by default at the `listen` setting, so KVBROKER_LISTEN) and returns a plain
 dict, the shape `--json` prints; `render` turns that dict into the tables a terminal shows: the
-broker, its engines with their components, its peers and its request counters. `add_arguments` and
+broker, its engines with their components, its open sessions, its peers and its request counters. `add_arguments` and
 `run` are the subcommand, wired in cli.py. Exit 0 when the broker answered, 1 when it did not.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from datetime import UTC, datetime
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,6 +42,8 @@ def _engine(e: bpb.EngineInfo) -> dict:
                         "layer_buffers": len(c.layer_buffers),
                         "bytes": sum(b.length for b in c.layer_buffers)} for c in e.components],
         "registered_bytes": e.registered_bytes,
+        "memory_ownership": _enum(bpb.MemoryOwnership, e.memory_ownership, "MEMORY_OWNERSHIP_"),
+        "session_id": e.session_id,
     }
 
 
@@ -66,7 +69,13 @@ def query(address: str, timeout_s: float = 5.0) -> dict:
         "peers": [{"address": p.address, "broker_id": p.broker_id, "epoch": p.epoch, "handshakes": p.handshakes}
                   for p in info.peers],
         "request_counts": {state: counts.pop(state, 0) for state in STATES} | counts,
+        "sessions": [{"session_id": x.session_id, "holder": x.holder, "engine_ids": list(x.engine_ids),
+                      "opened": _utc(x.opened_unix_ms)} for x in info.sessions],
     }
+
+
+def _utc(unix_ms: int) -> str:
+    return datetime.fromtimestamp(unix_ms / 1000, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def _table(headers: list[str], rows: list[list[object]]) -> list[str]:
@@ -91,6 +100,10 @@ def render(status: dict) -> str:
                         + [c["component"], c["layout"], c["num_pages"], c["layer_buffers"], c["bytes"]])
     lines += _table(["ENGINE", "TP", "ATTN_TP", "PP", "DP", "LAYERS", "PAGE", "DTYPE", "COMPONENT", "LAYOUT",
                      "PAGES", "BUFFERS", "BYTES"], rows) if rows else ["no engines registered"]
+    lines.append("")
+    sessions = [[x["session_id"], x["holder"] or "-", ", ".join(x["engine_ids"]) or "-", x["opened"]]
+                for x in status["sessions"]]
+    lines += _table(["SESSION", "HOLDER", "ENGINES", "OPENED"], sessions) if sessions else ["no open sessions"]
     lines.append("")
     peers = [[p["address"], p["broker_id"], str(p["epoch"]), p["handshakes"]] for p in status["peers"]]
     lines += _table(["PEER", "BROKER", "EPOCH", "HANDSHAKES"], peers) if peers else ["no peers yet"]

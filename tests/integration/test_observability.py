@@ -226,3 +226,23 @@ async def test_status_of_an_unreachable_broker_exits_one():
     code, out, err = await kvbroker("status", "--address", "127.0.0.1:1", "--timeout", "1")
     assert code == 1 and out == ""
     assert "127.0.0.1:1" in err and "UNAVAILABLE" in err
+
+
+async def test_status_lists_open_sessions_and_the_engines_they_hold(observed, engines):
+    broker = observed.decode
+    call = broker.stub.OpenSession(bpb.OpenSessionRequest(holder="decode-0 pid 7"))
+    try:
+        session_id = (await call.read()).session_id
+        held = await engines.make(broker, "decode", fill="canary", session_id=session_id)
+        code, out, err = await kvbroker("status", "--address", broker.process.listen)
+        code_json, out_json, _ = await kvbroker("status", "--json", "--address", broker.process.listen)
+    finally:
+        call.cancel()
+    assert code == code_json == 0, err
+    row = next(line for line in out.splitlines() if line.startswith(session_id))
+    assert "decode-0 pid 7" in row and held.engine_id in row
+    status = json.loads(out_json)
+    (session,) = [x for x in status["sessions"] if x["session_id"] == session_id]
+    assert session["engine_ids"] == [held.engine_id] and session["opened"].endswith("Z")
+    (engine,) = [e for e in status["engines"] if e["engine_id"] == held.engine_id]
+    assert (engine["session_id"], engine["memory_ownership"]) == (session_id, "SERVER")
