@@ -7,6 +7,12 @@ because the engine's batch calls block until the batch completes. A request is c
 at most BATCH_DESCRIPTORS rows and at most PEER_WINDOW batches are in flight towards one peer, so
 the TCP transport's per-peer queue (1024 transfers unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
 says otherwise) never overflows, however fragmented the request and however many run at once.
+
+The engine abandons a synchronous batch after MC_TRANSFER_TIMEOUT seconds plus 1 ns per byte of
+the batch, reading the variable once, when the engine object is constructed (whole seconds, at
+least 5). `start` sets it for that moment to the broker's transfer_timeout_s, unless the operator
+set it, so that the engine never gives up on a batch the broker still waits for, and a batch the
+broker gave up on ends soon after; deregistration and close wait for batches that long.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
+import os
+import re
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,7 +39,27 @@ P2P_HANDSHAKE = "P2PHANDSHAKE"
 BATCH_DESCRIPTORS = 512
 PEER_WINDOW = 2  # batches in flight per peer: BATCH_DESCRIPTORS * PEER_WINDOW stays within the TCP queue
 WRITER_THREADS = 4
-QUIESCE_TIMEOUT_S = 120.0  # the engine abandons a batch after MC_TRANSFER_TIMEOUT (30 s) + 1 ns per byte
+TRANSFER_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
+ENGINE_MIN_TIMEOUT_S = 5  # the engine raises smaller values to this
+QUIESCE_SLACK_S = 5.0  # beyond the engine's own limit: the writer thread's return to us
+_engine_construction = threading.Lock()  # the environment is the process's: one engine constructed at a time
+
+
+def engine_timeout_s(transfer_timeout_s: float, configured: str | None) -> int:
+    """MC_TRANSFER_TIMEOUT as the engine will apply it, in whole seconds: the operator's value when set
+    (parsed as the engine's atoi parses it), else the broker's transfer_timeout_s rounded up."""
+    if configured:
+        digits = re.match(r"\s*[+-]?\d+", configured)
+        seconds = int(digits.group()) if digits else 0
+    else:
+        seconds = math.ceil(transfer_timeout_s)
+    return max(ENGINE_MIN_TIMEOUT_S, seconds)
+
+
+def quiesce_timeout_s(engine_timeout: int, batch_bytes: int) -> float:
+    """How long a batch of `batch_bytes` may still run after it was handed to the engine: the engine's
+    limit, MC_TRANSFER_TIMEOUT plus 1 ns per byte, and a little slack for the thread to return."""
+    return engine_timeout + batch_bytes * 1e-9 + QUIESCE_SLACK_S
 
 
 class MooncakeBackend(Backend):
@@ -40,13 +70,19 @@ class MooncakeBackend(Backend):
         self._host = settings.advertised_host
         self._protocol = settings.mooncake_protocol
         self._device = settings.mooncake_device
+        configured = os.environ.get(TRANSFER_TIMEOUT_ENV)
+        self._set_timeout = not configured
+        self._engine_timeout = engine_timeout_s(settings.transfer_timeout_s, configured)
+        if configured and self._engine_timeout < settings.transfer_timeout_s:
+            log.warning("%s=%s: the Mooncake engine abandons a batch after %d s, before transfer_timeout_s (%g s)",
+                        TRANSFER_TIMEOUT_ENV, configured, self._engine_timeout, settings.transfer_timeout_s)
         self._engine = None
         self._session = ""
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
         self._writers = concurrent.futures.ThreadPoolExecutor(WRITER_THREADS,
                                                               thread_name_prefix="mooncake-write")
         self._windows: dict[str, asyncio.Semaphore] = {}
-        self._inflight: set[concurrent.futures.Future] = set()  # batches the engine may still be moving
+        self._inflight: dict[concurrent.futures.Future, int] = {}  # batches the engine may still be moving: bytes
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._control, fn, *args)
@@ -55,7 +91,7 @@ class MooncakeBackend(Backend):
         def create():
             from mooncake.engine import TransferEngine
 
-            engine = TransferEngine()
+            engine = self._construct(TransferEngine)
             rc = engine.initialize(self._host, P2P_HANDSHAKE, self._protocol, self._device)
             if rc != 0:
                 raise TransferFailed(f"Mooncake initialize(host={self._host!r}, protocol={self._protocol!r}, "
@@ -63,8 +99,23 @@ class MooncakeBackend(Backend):
             return engine, f"{self._host}:{engine.get_rpc_port()}"
 
         self._engine, self._session = await self._call(create)
-        log.debug("Mooncake engine %s serving session %s over %s", self._agent_name, self._session,
-                  self._protocol)
+        log.debug("Mooncake engine %s serving session %s over %s, abandoning a batch after %d s",
+                  self._agent_name, self._session, self._protocol, self._engine_timeout)
+
+    def _construct(self, engine_class):
+        """The engine, constructed while MC_TRANSFER_TIMEOUT says what we want; the variable is put back."""
+        if not self._set_timeout:
+            return engine_class()
+        with _engine_construction:
+            before = os.environ.get(TRANSFER_TIMEOUT_ENV)
+            os.environ[TRANSFER_TIMEOUT_ENV] = str(self._engine_timeout)
+            try:
+                return engine_class()
+            finally:
+                if before is None:
+                    del os.environ[TRANSFER_TIMEOUT_ENV]
+                else:
+                    os.environ[TRANSFER_TIMEOUT_ENV] = before
 
     async def register(self, regions: Sequence[Region]) -> object:
         def register_all():
@@ -131,21 +182,21 @@ class MooncakeBackend(Backend):
         except BaseException:
             window.release()
             raise
-        self._inflight.add(future)
+        self._inflight[future] = int(descriptors.src[start:stop, 1].sum())
 
         def finished(f: concurrent.futures.Future) -> None:
             window.release()
-            self._inflight.discard(f)
+            self._inflight.pop(f, None)
 
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
         return future
 
     async def _quiesce(self) -> None:
         if self._inflight:
-            _, pending = await asyncio.wait(list(map(_wrap, self._inflight)), timeout=QUIESCE_TIMEOUT_S)
+            timeout = quiesce_timeout_s(self._engine_timeout, max(self._inflight.values()))
+            _, pending = await asyncio.wait(list(map(_wrap, self._inflight)), timeout=timeout)
             if pending:
-                log.warning("%d Mooncake batches still in flight after %.0fs", len(pending),
-                            QUIESCE_TIMEOUT_S)
+                log.warning("%d Mooncake batches still in flight after %.0fs", len(pending), timeout)
 
     async def close(self) -> None:
         await self._quiesce()

@@ -1,7 +1,9 @@
-"""What every transfer engine must survive: a request cut into thousands of runs, and a write it refuses.
+"""What every transfer engine must survive: a request cut into thousands of runs, a write it refuses,
+and (Mooncake) a peer that stops answering mid-batch.
 
-The first test goes through two real brokers; the second drives the backend interface directly,
-because no broker would hand an engine a descriptor outside the peer's registered memory.
+The first test goes through two real brokers; the others drive the backend interface directly,
+because no broker would hand an engine a descriptor outside the peer's registered memory, and
+stopping a receiver is easier than stopping a broker at the right moment.
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -120,3 +124,70 @@ async def test_engine_refusal_is_transfer_failed_and_the_next_write_still_works(
     assert seen["refusal"].startswith("TransferFailed: ") and ENGINE_WORD[backend] in seen["refusal"]
     assert seen["moved"], "a good write after the refusal did not move every byte"
     assert seen["outside_untouched"], "a write landed outside the receiver's registered memory"
+
+
+# A receiver that registers its memory, says where it is, and then does nothing: the test stops it.
+RECEIVER = ("import asyncio, json, sys, numpy as np; from kvbroker.backends import create_backend; "
+            "from kvbroker.config import Settings; from kvbroker.registry import Region\n"
+            "async def main():\n"
+            "    backend = create_backend(Settings(backend='mooncake', peer_listen='127.0.0.1:0'), 'receiver')\n"
+            "    await backend.start()\n"
+            "    dst = np.zeros(int(sys.argv[1]), dtype=np.uint8)\n"
+            "    await backend.register([Region(dst.ctypes.data, dst.nbytes, 0, gpu=False)])\n"
+            "    print(json.dumps([(await backend.metadata()).decode(), dst.ctypes.data]), flush=True)\n"
+            "    await asyncio.sleep(3600)\n"
+            "asyncio.run(main())")
+
+
+async def write_to_stopped_peer(receiver_pid: int, session: str, address: int, size: int,
+                                transfer_timeout_s: float) -> dict:
+    """One good write, then the receiver is stopped and a write of `size` bytes is timed until it fails."""
+    settings = Settings(backend="mooncake", listen="127.0.0.1:0", peer_listen="127.0.0.1:0",
+                        transfer_timeout_s=transfer_timeout_s)
+    sender = create_backend(settings, "sender")
+    src = np.ones(size, dtype=np.uint8)
+    await sender.start()
+    await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
+    peer = await sender.connect(session.encode())
+    await sender.write(peer, Descriptors(_rows(src.ctypes.data, [0], 4096), _rows(address, [0], 4096)), timeout=30)
+    os.kill(receiver_pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        await sender.write(peer, Descriptors(_rows(src.ctypes.data, [0], size), _rows(address, [0], size)),
+                           timeout=120)
+        outcome = "succeeded"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return {"outcome": outcome, "seconds": time.monotonic() - started}
+
+
+SENDER = ("import asyncio, json, os, sys; from tests.integration.test_backends import write_to_stopped_peer; "
+          "print(json.dumps(asyncio.run(write_to_stopped_peer(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), "
+          "int(sys.argv[4]), float(sys.argv[5])))), flush=True); os._exit(0)")
+
+
+async def test_mooncake_abandons_a_stuck_batch_after_the_brokers_transfer_timeout():
+    """The engine's own limit (30 s unless MC_TRANSFER_TIMEOUT says otherwise) follows transfer_timeout_s."""
+    size, transfer_timeout_s = 64 << 20, 6.0
+    env = {k: v for k, v in os.environ.items() if k != "MC_TRANSFER_TIMEOUT"}
+    receiver = await asyncio.create_subprocess_exec(sys.executable, "-c", RECEIVER, str(size), cwd=ROOT, env=env,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL)
+    sender = None
+    try:
+        session, address = json.loads(await asyncio.wait_for(receiver.stdout.readline(), 60))
+        sender = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", SENDER, str(receiver.pid), session, str(address), str(size),
+            str(transfer_timeout_s), cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(sender.communicate(), 60)
+    finally:
+        for child in (receiver, sender):
+            if child is not None and child.returncode is None:
+                child.kill()
+                await child.wait()
+    assert sender.returncode == 0, err.decode(errors="replace")[-3000:]
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    assert seen["outcome"].startswith("TransferFailed: ") and ENGINE_WORD["mooncake"] in seen["outcome"], seen
+    # the engine's limit: 6 s, plus 1 ns per byte of the batch, plus the thread's return
+    assert transfer_timeout_s <= seen["seconds"] < transfer_timeout_s + size * 1e-9 + 3, seen
