@@ -5,6 +5,9 @@ concurrently and the event loop never blocks; completion is polled with a short 
 The agent's own progress thread (which must run: a receiving broker never calls into NIXL, yet
 its UCX worker has to progress for transports such as TCP) waits in poll() for UCX events with
 a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
+
+Each agent's name carries a random suffix: NIXL refuses new metadata under a name it has loaded,
+and a restarted broker may well come back as the same broker id and pid (pid 1 of its container).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import secrets
 import sys
 import threading
 from collections.abc import Sequence
@@ -38,7 +42,7 @@ class NixlBackend(Backend):
     name = "nixl"
 
     def __init__(self, agent_name: str, settings: object = None) -> None:
-        self._agent_name = agent_name
+        self._agent_name = f"{agent_name}-{secrets.token_hex(4)}"
         self._agent = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._peers: set[bytes] = set()  # remote agent names loaded
