@@ -2,6 +2,10 @@
 
 PeerClients caches one channel per peer address and one handshake per (address, engine); a new
 epoch or registry generation seen in a claim, or a transport failure, makes the next use refresh.
+Each cached handshake holds one `connect` of the backend, given back with `disconnect` when a
+refresh replaces it or the peer answers with a new epoch. A transport failure only parks it until
+the next handshake with that peer has connected (a peer of the same epoch keeps its engine-side
+state, and a transfer that still holds the old handshake can still write); close gives back all.
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ class PeerClients:
         self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub]] = {}
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
+        self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
+        self._disconnecting: set[asyncio.Task] = set()
         self.records: dict[str, PeerRecord] = {}
 
     def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
@@ -103,10 +109,25 @@ class PeerClients:
             self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel))
         return self._channels[address][1]
 
+    def _disconnect(self, handles) -> None:
+        """Give back these connects of the backend; the engine keeps a peer as long as a write to it runs."""
+        for handle in handles:
+            task = asyncio.get_running_loop().create_task(self._backend.disconnect(handle))
+            self._disconnecting.add(task)
+            task.add_done_callback(self._disconnected)
+
+    def _disconnected(self, task: asyncio.Task) -> None:
+        self._disconnecting.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("transfer engine %s could not disconnect a peer: %s", self._backend.name, task.exception())
+
+    def _pop_sessions(self, address: str) -> list[object]:
+        """Drop the cached handshakes with a peer; returns their peer handles."""
+        return [self._sessions.pop(k).peer_handle for k in [k for k in self._sessions if k[0] == address]]
+
     def forget(self, address: str) -> None:
         """Drop what is cached of a peer; the next call reconnects and handshakes again."""
-        for key in [k for k in self._sessions if k[0] == address]:
-            del self._sessions[key]
+        self._parked.setdefault(address, []).extend(self._pop_sessions(address))
         entry = self._channels.pop(address, None)
         if entry is not None:
             asyncio.get_running_loop().create_task(entry[0].close()).add_done_callback(lambda t: t.exception())
@@ -153,21 +174,28 @@ class PeerClients:
                                        backend=self._backend.name)
         reply = await self._rpc(address, self._stub(address).Handshake, request, timeout)
         try:
-            handle = await self._backend.connect(reply.backend_metadata)
-        except TransferFailed as exc:
-            raise BrokerError(Code.ABORTED, f"peer broker {address}: transfer engine {self._backend.name} "
-                                            f"cannot use its handshake metadata: {exc}") from None
-        try:
             engine = convert.engine_layout_in(reply.engine)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
             raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.message}") from None
+        connecting = asyncio.ensure_future(self._backend.connect(reply.backend_metadata))
+        try:
+            handle = await asyncio.shield(connecting)  # a connect made is always given back
+        except asyncio.CancelledError:
+            connecting.add_done_callback(lambda f: f.cancelled() or f.exception() or self._disconnect([f.result()]))
+            raise
+        except TransferFailed as exc:
+            raise BrokerError(Code.ABORTED, f"peer broker {address}: transfer engine {self._backend.name} "
+                                            f"cannot use its handshake metadata: {exc}") from None
         session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation, engine, handle)
         record = self.records.setdefault(address, PeerRecord(address))
         epoch_changed = bool(record.epoch) and record.epoch != reply.epoch
+        replaced = self._parked.pop(address, [])
         if epoch_changed:
             log.info("peer %s restarted (epoch %d -> %d)", address, record.epoch, reply.epoch)
-            for key in [k for k in self._sessions if k[0] == address]:
-                del self._sessions[key]
+            replaced += self._pop_sessions(address)
+        elif (old := self._sessions.pop((address, engine_id), None)) is not None:
+            replaced.append(old.peer_handle)
+        self._disconnect(replaced)
         record.broker_id, record.epoch = reply.broker_id, reply.epoch
         record.handshakes += 1
         if self._metrics is not None:
@@ -202,5 +230,8 @@ class PeerClients:
     async def close(self) -> None:
         channels = [c for c, _ in self._channels.values()]
         self._channels.clear()
+        handles = [s.peer_handle for s in self._sessions.values()] + [h for p in self._parked.values() for h in p]
         self._sessions.clear()
-        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+        self._parked.clear()
+        self._disconnect(handles)
+        await asyncio.gather(*(c.close() for c in channels), *self._disconnecting, return_exceptions=True)

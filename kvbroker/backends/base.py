@@ -1,8 +1,15 @@
 """The interface every transfer engine implements, and nothing more.
 
-The Broker calls, in order: `start`; `register`/`deregister` per engine; `metadata` for each
+The broker calls, in order: `start`; `register`/`deregister` per engine; `metadata` for each
 handshake it answers; `connect` with a peer's metadata after each handshake it makes; `write`
-per request; `close` at shutdown. Blocking library calls run off the event loop.
+per request, with a peer handle that `connect` returned; `disconnect` once for each `connect` whose
+handshake it has replaced or dropped (the peer restarted, re-registered, or became unreachable);
+`close` at shutdown, which releases whatever is still connected.
+
+Peer handles are counted: several handshakes with one peer broker (one per remote engine, each
+refresh) may return the same handle, and the engine forgets the peer only when every `connect`
+of it has been matched by a `disconnect` and no `write` to it is still running. Blocking library
+calls run off the event loop.
 """
 
 from __future__ import annotations
@@ -39,7 +46,13 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def connect(self, metadata: bytes) -> object:
-        """Make a peer known from its metadata; returns the peer handle `write` takes. Idempotent."""
+        """Make a peer known from its metadata; returns the peer handle `write` takes. Counted: the same
+        peer's metadata yields an equal handle each time, and each call is undone by one `disconnect`."""
+
+    @abc.abstractmethod
+    async def disconnect(self, peer: object) -> None:
+        """Undo one `connect` that returned `peer`; the last one lets the engine forget the peer, once
+        no write to it is running. The handle must not be written to through this reference again."""
 
     @abc.abstractmethod
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:

@@ -13,6 +13,10 @@ the batch, reading the variable once, when the engine object is constructed (who
 least 5). `start` sets it for that moment to the broker's transfer_timeout_s, unless the operator
 set it, so that the engine never gives up on a batch the broker still waits for, and a batch the
 broker gave up on ends soon after; deregistration and close wait for batches that long.
+
+A peer's session id is counted like any peer handle (base.py); when nothing holds or writes to it
+any longer, its window goes. The engine's own cache of the peer's segment (opened on the first
+write) stays until the engine is destroyed: the Python binding has no call that closes a segment.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import re
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -62,6 +67,15 @@ def quiesce_timeout_s(engine_timeout: int, batch_bytes: int) -> float:
     return engine_timeout + batch_bytes * 1e-9 + QUIESCE_SLACK_S
 
 
+@dataclass
+class _Peer:
+    """A peer session as this backend holds it."""
+
+    window: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PEER_WINDOW))
+    connects: int = 0  # connects not yet matched by a disconnect
+    busy: int = 0  # write() calls running, and batches the engine may still be moving
+
+
 class MooncakeBackend(Backend):
     name = "mooncake"
 
@@ -81,7 +95,7 @@ class MooncakeBackend(Backend):
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
         self._writers = concurrent.futures.ThreadPoolExecutor(WRITER_THREADS,
                                                               thread_name_prefix="mooncake-write")
-        self._windows: dict[str, asyncio.Semaphore] = {}
+        self._peers: dict[str, _Peer] = {}
         self._inflight: dict[concurrent.futures.Future, int] = {}  # batches the engine may still be moving: bytes
 
     async def _call(self, fn, *args):
@@ -146,18 +160,42 @@ class MooncakeBackend(Backend):
         host, _, port = session.rpartition(":")
         if not host or not port.isdigit():
             raise TransferFailed(f"Mooncake peer metadata {session!r} is not a host:port session id")
+        peer = self._peers.get(session)
+        if peer is None:
+            peer = self._peers[session] = _Peer()
+            log.info("Mooncake peer session connected", extra=self._held(session))
+        peer.connects += 1
         return session
+
+    async def disconnect(self, peer: object) -> None:
+        held = self._peers.get(peer)
+        if held is None or held.connects == 0:
+            log.warning("Mooncake disconnect of peer session %r without a connect", peer)
+            return
+        held.connects -= 1
+        self._forget_if_idle(peer)
+
+    def _forget_if_idle(self, session: str) -> None:
+        held = self._peers.get(session)
+        if held is not None and not held.connects and not held.busy:
+            del self._peers[session]
+            log.info("Mooncake peer session forgotten", extra=self._held(session))
+
+    def _held(self, session: str) -> dict:
+        """Log fields: the peer session concerned and how many this backend now holds."""
+        return {"remote_peer": session, "remote_peers": len(self._peers)}
 
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        window = self._windows.setdefault(peer, asyncio.Semaphore(PEER_WINDOW))
+        held = self._peers.setdefault(peer, _Peer())
+        held.busy += 1
         running: list[concurrent.futures.Future] = []
         try:
             async with asyncio.timeout(timeout):
                 for start in range(0, descriptors.count, BATCH_DESCRIPTORS):
-                    await window.acquire()
-                    running.append(self._submit(loop, window, peer, descriptors, start))
+                    await held.window.acquire()
+                    running.append(self._submit(loop, held, peer, descriptors, start))
                     running = _pending_or_raise(running)
                 await asyncio.gather(*map(_wrap, running))
         except TransferFailed:
@@ -171,22 +209,27 @@ class MooncakeBackend(Backend):
         finally:
             for future in running:
                 future.cancel()  # only batches still queued for a thread; running ones finish in the engine
+            held.busy -= 1
+            self._forget_if_idle(peer)
 
-    def _submit(self, loop: asyncio.AbstractEventLoop, window: asyncio.Semaphore, peer: str,
-                descriptors: Descriptors, start: int) -> concurrent.futures.Future:
+    def _submit(self, loop: asyncio.AbstractEventLoop, held: _Peer, peer: str, descriptors: Descriptors,
+                start: int) -> concurrent.futures.Future:
         """Hand one batch to a writer thread; its window slot is freed when the engine is done with it."""
         stop = min(start + BATCH_DESCRIPTORS, descriptors.count)
         try:
             future = self._writers.submit(_write_batch, self._engine, peer, descriptors.src[start:stop],
                                           descriptors.dst[start:stop], start, descriptors.count)
         except BaseException:
-            window.release()
+            held.window.release()
             raise
         self._inflight[future] = int(descriptors.src[start:stop, 1].sum())
+        held.busy += 1
 
         def finished(f: concurrent.futures.Future) -> None:
-            window.release()
+            held.window.release()
             self._inflight.pop(f, None)
+            held.busy -= 1
+            self._forget_if_idle(peer)
 
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
         return future
@@ -207,7 +250,7 @@ class MooncakeBackend(Backend):
 
         if self._engine is not None:
             await self._call(teardown)
-        self._windows.clear()
+        self._peers.clear()
         self._writers.shutdown(wait=True)
         self._control.shutdown(wait=True)
 

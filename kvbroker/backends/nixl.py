@@ -6,6 +6,11 @@ The agent's own progress thread (which must run: a receiving broker never calls 
 its UCX worker has to progress for transports such as TCP) waits in poll() for UCX events with
 a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
 
+A peer broker is a remote agent, loaded by `connect` and named by its metadata; every session of
+one peer epoch shares it. The NIXL thread counts, per remote agent, the connects not yet matched
+by a disconnect and the writes posted and not yet released; the agent is removed when both reach
+zero, so a peer that restarted leaves nothing behind and no write loses its endpoint mid-flight.
+
 Each agent's name carries a random suffix: NIXL refuses new metadata under a name it has loaded,
 and a restarted broker may well come back as the same broker id and pid (pid 1 of its container).
 """
@@ -19,6 +24,7 @@ import secrets
 import sys
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,6 +44,12 @@ _agent_construction = threading.Lock()  # new_agent swaps a module attribute of 
 NIXL_MEMORY = {MemoryKind.HOST: "DRAM", MemoryKind.GPU: "VRAM"}
 
 
+@dataclass
+class _RemoteAgent:
+    connects: int = 0  # connects not yet matched by a disconnect
+    writes: int = 0  # transfers posted towards it and not yet released
+
+
 class NixlBackend(Backend):
     name = "nixl"
 
@@ -45,7 +57,7 @@ class NixlBackend(Backend):
         self._agent_name = f"{agent_name}-{secrets.token_hex(4)}"
         self._agent = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self._peers: set[bytes] = set()  # remote agent names loaded
+        self._peers: dict[bytes, _RemoteAgent] = {}  # remote agents loaded; read and written on the NIXL thread
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -85,16 +97,50 @@ class NixlBackend(Backend):
         return await self._call(self._agent.get_agent_metadata)
 
     async def connect(self, metadata: bytes) -> object:
-        # Loading metadata of a known agent name merges it, so a refreshed handshake simply reloads.
+        # Metadata of an agent already loaded (another engine of the same peer broker) merges into it.
         def load():
             name = self._agent.add_remote_agent(metadata)
-            self._peers.add(name)
+            remote = self._peers.get(name)
+            if remote is None:
+                remote = self._peers[name] = _RemoteAgent()
+                log.info("NIXL remote agent connected", extra=_held(name, self._peers))
+            remote.connects += 1
             return name
 
         try:
             return await self._call(load)
         except Exception as exc:  # nixl raises its own error types for metadata it cannot load
             raise TransferFailed(f"NIXL refused the peer's metadata: {type(exc).__name__}: {exc}") from exc
+
+    async def disconnect(self, peer: object) -> None:
+        def unload():
+            remote = self._peers.get(peer)
+            if remote is None or remote.connects == 0:
+                log.warning("NIXL disconnect of remote agent %r without a connect", peer)
+                return
+            remote.connects -= 1
+            self._remove_if_idle(peer)
+
+        await self._call(unload)
+
+    def _remove_if_idle(self, name: bytes) -> None:
+        """On the NIXL thread: drop a remote agent nothing holds and nothing writes to."""
+        remote = self._peers[name]
+        if remote.connects or remote.writes:
+            return
+        del self._peers[name]
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:  # it stays loaded; nothing else refers to it
+            log.warning("removing NIXL remote agent %r: %s", name, exc)
+            return
+        log.info("NIXL remote agent forgotten", extra=_held(name, self._peers))
+
+    def _finish(self, peer: object, handle, counted: bool) -> None:
+        """On the NIXL thread: release a transfer; a transfer NIXL could not release keeps its agent."""
+        if _release(self._agent, handle) and counted:
+            self._peers[peer].writes -= 1
+            self._remove_if_idle(peer)
 
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -107,10 +153,22 @@ class NixlBackend(Backend):
             local = self._agent.get_xfer_descs(src, src_kind)
             remote = self._agent.get_xfer_descs(dst, dst_kind)
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
-            return handle, self._agent.transfer(handle)
+            counted = (agent := self._peers.get(peer)) is not None
+            if counted:
+                agent.writes += 1
+            try:
+                return handle, counted, self._agent.transfer(handle)
+            except BaseException:
+                self._finish(peer, handle, counted)
+                raise
 
+        posting = loop.run_in_executor(self._executor, post)
         try:
-            handle, state = await self._call(post)
+            handle, counted, state = await asyncio.shield(posting)
+        except asyncio.CancelledError:
+            # The post runs to its end on the NIXL thread; what it started is released there.
+            posting.add_done_callback(lambda f: f.cancelled() or f.exception() or self._finish_later(peer, f))
+            raise
         except Exception as exc:  # nixl raises its own error types for refused descriptors
             raise TransferFailed(f"NIXL refused the transfer: {type(exc).__name__}: {exc}") from exc
         try:
@@ -124,7 +182,14 @@ class NixlBackend(Backend):
             if state != "DONE":
                 raise TransferFailed(f"NIXL reported transfer state {state}")
         finally:
-            await asyncio.shield(self._call(_release, self._agent, handle))
+            await asyncio.shield(self._call(self._finish, peer, handle, counted))
+
+    def _finish_later(self, peer: object, posted: asyncio.Future) -> None:
+        handle, counted, _ = posted.result()
+        try:
+            self._executor.submit(self._finish, peer, handle, counted)
+        except RuntimeError:  # the executor is shut down: close() removed every agent already
+            pass
 
     async def close(self) -> None:
         def teardown():
@@ -167,9 +232,17 @@ def new_agent(nixl_agent, nixl_agent_config, name: str):
             bindings.nixlAgent = native
 
 
-def _release(agent, handle) -> None:
+def _release(agent, handle) -> bool:
     try:
         agent.release_xfer_handle(handle)
+        return True
     except Exception as exc:  # an in-flight handle NIXL cannot abort stays on the agent's leak list
         log.warning("releasing NIXL transfer handle: %s", exc)
+        return False
+
+
+def _held(name: bytes, peers: dict) -> dict:
+    """Log fields: the remote agent concerned and how many this agent now holds."""
+    return {"remote_peer": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
+            "remote_peers": len(peers)}
 

@@ -1,21 +1,193 @@
-"""A peer broker that restarts as the same broker id and pid, as a container does, is a new peer all
-the same: the sender's transfer engine takes its new metadata.
+"""The transfer engine lets go of peers it no longer needs: a peer broker that restarted leaves the
+sender holding its new self only, and a peer is never dropped under a write that is still running.
+A peer that restarts as the same broker id and pid, as a container does, is a new peer all the same.
+
+What the engine holds is read from the broker's own INFO log lines (`remote_peer`, `remote_peers`),
+which each backend writes when it connects a new peer and when it forgets one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import os
+import sys
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
+from kvbroker.backends import create_backend
+from kvbroker.config import Settings
 from kvbroker.launch import start_broker
+from kvbroker.planner import Descriptors
+from kvbroker.registry import Region
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from tests.conftest import ALL, Broker, assert_bytes, close_broker, expected_after, open_broker
 from tests.integration.test_failures import free_port
 from tests.integration.test_transfer import grant, transfer
 
 pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def peer_events(broker) -> list[dict]:
+    """The broker's log lines about the peers its transfer engine holds, oldest first."""
+    events = []
+    for line in list(broker.process.stderr_lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue  # the transfer engines write their own lines on the same stream
+        if isinstance(entry, dict) and "remote_peers" in entry:
+            events.append(entry)
+    return events
+
+
+def held(events: list[dict]) -> set[str]:
+    peers: set[str] = set()
+    for entry in events:
+        (peers.discard if entry["msg"].endswith("forgotten") else peers.add)(entry["remote_peer"])
+    return peers
+
+
+async def until_held(broker, expected: int, timeout: float = 10.0) -> list[dict]:
+    """The peer events once the last one says the engine holds `expected` peers (or the timeout)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        events = peer_events(broker)
+        if (events and events[-1]["remote_peers"] == expected) or loop.time() > deadline:
+            return events
+        await asyncio.sleep(0.05)
+
+
+async def test_a_restarted_peer_leaves_the_sender_holding_only_its_new_self(backend, engines, request_id):
+    flags = ("--listen", f"127.0.0.1:{free_port()}", "--peer-listen", f"127.0.0.1:{free_port()}")
+    prefill = await open_broker("prefill-peers", backend, "--log-level", "INFO", "--log-format", "json")
+    decode = await open_broker("decode-peers", backend, *flags)
+    try:
+        src = await engines.make(prefill, "prefill")
+        for n, dst in enumerate([await engines.make(decode, "decode", fill="canary") for _ in range(2)]):
+            await grant(dst, f"{request_id}-{n}", [n])  # two handshakes with one peer epoch
+            await transfer(src, dst, f"{request_id}-{n}", [n])
+        events = await until_held(prefill, 1)
+        (old,) = held(events)
+        assert [e["remote_peers"] for e in events] == [1], "two engines of one peer broker share one peer"
+
+        assert await close_broker(decode) == 0
+        decode = await open_broker("decode-peers", backend, *flags)
+        again = await engines.make(decode, "decode", fill="canary")
+        before = again.segment.array.copy()
+        await grant(again, request_id + "-again", [7, 8, 9])
+        await transfer(src, again, request_id + "-again", [1, 2, 3])
+        assert_bytes(again, expected_after(src, again, before, ALL, [1, 2, 3], [7, 8, 9]))
+
+        events = await until_held(prefill, 1)
+        assert any(e["remote_peer"] == old and e["msg"].endswith("forgotten") for e in events), events
+        assert events[-1]["remote_peers"] == 1 and len(held(events)) == 1 and old not in held(events), events
+    finally:
+        for broker in (prefill, decode):
+            broker.process.kill()
+            await close_broker(broker)
+
+
+def _rows(base: int, count: int, length: int) -> np.ndarray:
+    rows = np.zeros((count, 3), dtype=np.uint64)
+    rows[:, 0] = base + np.arange(count, dtype=np.uint64) * length
+    rows[:, 1] = length
+    return rows
+
+
+class _Events(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "remote_peers"):
+            self.seen.append(("forgotten" if record.getMessage().endswith("forgotten") else "connected",
+                              record.remote_peers))
+
+
+async def disconnect_during_write(backend: str) -> dict:
+    """Two connects of one peer, both given back, the second while a write to it runs; then again."""
+    events = _Events()
+    logging.getLogger("kvbroker.backends").addHandler(events)
+    logging.getLogger("kvbroker.backends").setLevel(logging.INFO)
+    settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
+    sender = create_backend(settings, f"sender-{os.getpid()}")
+    receiver = create_backend(settings, f"receiver-{os.getpid()}")
+    size, length = 64 << 20, 1 << 16
+    src = np.random.default_rng(11).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    rows = Descriptors(_rows(src.ctypes.data, size // length, length), _rows(dst.ctypes.data, size // length, length))
+
+    async def loaded(peer) -> bool | None:
+        """Whether NIXL itself still has the remote agent; Mooncake keeps nothing to ask about."""
+        if backend != "nixl":
+            return None
+        return await sender._call(sender._agent.check_remote_metadata, peer)
+
+    seen: dict = {}
+    try:
+        async with asyncio.timeout(90):
+            await asyncio.gather(sender.start(), receiver.start())
+            await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
+            await receiver.register([Region(dst.ctypes.data, size, 0, gpu=False)])
+            metadata = await receiver.metadata()
+            first, second = await sender.connect(metadata), await sender.connect(metadata)
+            seen["same_handle"] = first == second
+            await sender.disconnect(first)
+            seen["loaded_after_one_disconnect"] = await loaded(second)
+            writing = asyncio.create_task(sender.write(second, rows, timeout=60))
+            await asyncio.sleep(0)  # the write is posted before the disconnect reaches the engine
+            await sender.disconnect(second)
+            seen["events_while_writing"] = list(events.seen)
+            await writing
+            seen["moved"] = bool(np.array_equal(dst, src))
+            seen["events_after_write"] = list(events.seen)
+            seen["loaded_after_write"] = await loaded(second)
+            dst[:] = 0
+            third = await sender.connect(metadata)
+            await sender.write(third, rows, timeout=60)
+            seen["moved_again"] = bool(np.array_equal(dst, src))
+            seen["events"] = list(events.seen)
+    finally:
+        async with asyncio.timeout(60):
+            await asyncio.gather(sender.close(), receiver.close())
+    return seen
+
+
+# As in test_backends: the engines live in a child process that leaves with os._exit.
+CHILD = ("import asyncio, json, os, sys; from tests.integration.test_remote_peers import disconnect_during_write; "
+         "print(json.dumps(asyncio.run(disconnect_during_write(sys.argv[1]))), flush=True); os._exit(0)")
+
+
+async def test_a_peer_given_back_during_a_write_is_forgotten_only_when_the_write_ends(backend):
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, backend, cwd=ROOT,
+                                                 stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(), 150)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0, err.decode(errors="replace")[-3000:]
+    seen = json.loads(out.decode().strip().splitlines()[-1])
+    nixl = backend == "nixl"
+    assert seen["same_handle"], "two connects with one peer's metadata gave different handles"
+    assert seen["loaded_after_one_disconnect"] is (True if nixl else None)
+    assert seen["events_while_writing"] == [["connected", 1]], "the peer went while a write to it ran"
+    assert seen["moved"], "the write did not move every byte"
+    assert seen["events_after_write"] == [["connected", 1], ["forgotten", 0]]
+    assert seen["loaded_after_write"] is (False if nixl else None)
+    assert seen["moved_again"], "a peer connected again after it was forgotten cannot be written to"
+    assert seen["events"] == [["connected", 1], ["forgotten", 0], ["connected", 1]]
 
 
 def pid_inside(wrapper_pid: int) -> int:
