@@ -6,11 +6,17 @@ Each cached handshake holds one `connect` of the backend, given back with `disco
 refresh replaces it or the peer answers with a new epoch. A transport failure only parks it until
 the next handshake with that peer has connected (a peer of the same epoch keeps its engine-side
 state, and a transfer that still holds the old handshake can still write); close gives back all.
+
+Epochs are opaque: a broker's epoch differs on every start but is not ordered (it mixes the pid
+into the clock, and clocks step), so handshake answers are ordered by when they were sent. An
+answer with another epoch than the newest applied, to a handshake sent before that one, comes
+from the process the peer has since replaced: it is given back and the handshake is sent again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 from collections.abc import Sequence
@@ -79,6 +85,7 @@ class PeerRecord:
     broker_id: str = ""
     epoch: int = 0
     handshakes: int = 0
+    sent: int = 0  # send order of the newest handshake whose answer was applied
 
 
 class PeerClients:
@@ -98,6 +105,7 @@ class PeerClients:
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
         self._disconnecting: set[asyncio.Task] = set()
+        self._sent = itertools.count(1)  # handshakes, in the order they are sent
         self.records: dict[str, PeerRecord] = {}
 
     def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
@@ -170,8 +178,17 @@ class PeerClients:
             del self._pending[key]
 
     async def _handshake(self, address: str, engine_id: str, timeout: float) -> PeerSession:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:  # again only when the answer came from a process the peer has since replaced
+            session = await self._handshake_once(address, engine_id, deadline - loop.time())
+            if session is not None:
+                return session
+
+    async def _handshake_once(self, address: str, engine_id: str, timeout: float) -> PeerSession | None:
         request = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
                                        backend=self._backend.name)
+        sent = next(self._sent)
         reply = await self._rpc(address, self._stub(address).Handshake, request, timeout)
         try:
             engine = convert.engine_layout_in(reply.engine)
@@ -188,6 +205,11 @@ class PeerClients:
                                             f"cannot use its handshake metadata: {exc}") from None
         session = PeerSession(address, reply.broker_id, reply.epoch, reply.generation, engine, handle)
         record = self.records.setdefault(address, PeerRecord(address))
+        if record.epoch and record.epoch != reply.epoch and sent < record.sent:
+            log.info("peer %s answered a handshake sent before its restart was seen (epoch %d, now %d); "
+                     "handshaking again", address, reply.epoch, record.epoch)
+            self._disconnect([handle])
+            return None
         epoch_changed = bool(record.epoch) and record.epoch != reply.epoch
         replaced = self._parked.pop(address, [])
         if epoch_changed:
@@ -196,7 +218,7 @@ class PeerClients:
         elif (old := self._sessions.pop((address, engine_id), None)) is not None:
             replaced.append(old.peer_handle)
         self._disconnect(replaced)
-        record.broker_id, record.epoch = reply.broker_id, reply.epoch
+        record.broker_id, record.epoch, record.sent = reply.broker_id, reply.epoch, max(record.sent, sent)
         record.handshakes += 1
         if self._metrics is not None:
             self._metrics.peer_handshake(epoch_changed=epoch_changed)

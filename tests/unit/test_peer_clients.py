@@ -1,0 +1,160 @@
+"""PeerClients against scripted peers (in-process gRPC servers on loopback) and a backend that counts:
+handshake answers are ordered by when they were sent, never by comparing epochs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest_asyncio
+
+from kvbroker import convert
+from kvbroker.backends.base import Backend
+from kvbroker.metrics import Metrics
+from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, EngineLayout, KvDtype, Layout, Role, Topology
+from kvbroker.peer import PeerClients
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+
+TIMEOUT = 5.0
+
+
+def layout(engine_id: str) -> EngineLayout:
+    topology = Topology(1, 0, 1, 0, 1, 0, 0, 4, 0, 1, KvDtype.BFLOAT16)
+    buffers = (BufferLayout(0, Role.FLAT, 1 << 20, 64 * 16, 64),)
+    return EngineLayout(engine_id, topology,
+                        {ComponentKind.MAIN_KV: ComponentLayout(ComponentKind.MAIN_KV, Layout.FLAT, 16, buffers)})
+
+
+class ScriptedPeer(ppb_grpc.PeerServiceServicer):
+    """A peer broker whose epoch the test sets; a held engine's handshake is answered, with the epoch of
+    the moment it arrived, only when the test releases it (the old process answering late)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.epoch = 1
+        self.held: dict[str, asyncio.Event] = {}
+        self.arrived: dict[str, asyncio.Event] = {}
+        self.handshakes = 0
+
+    async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
+        epoch = self.epoch
+        self.handshakes += 1
+        self.arrived.setdefault(request.engine_id, asyncio.Event()).set()
+        if (gate := self.held.pop(request.engine_id, None)) is not None:
+            await gate.wait()
+        return ppb.HandshakeResponse(broker_id="decode", epoch=epoch, generation=1, backend="counting",
+                                     backend_metadata=f"{self.name}@{epoch}".encode(),
+                                     engine=convert.engine_layout_out(layout(request.engine_id)))
+
+
+class CountingBackend(Backend):
+    """Connects and disconnects counted per peer handle (the metadata)."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.connects: Counter[str] = Counter()
+        self.disconnects: Counter[str] = Counter()
+
+    async def start(self) -> None: ...
+    async def register(self, regions: Sequence) -> object: ...
+    async def deregister(self, handle: object) -> None: ...
+    async def metadata(self) -> bytes: return b""
+    async def write(self, peer, descriptors, timeout: float) -> None: ...
+    async def close(self) -> None: ...
+
+    async def connect(self, metadata: bytes) -> object:
+        self.connects[metadata.decode()] += 1
+        return metadata.decode()
+
+    async def disconnect(self, peer: object) -> None:
+        self.disconnects[peer] += 1
+
+
+
+@contextlib.asynccontextmanager
+async def serving(peer: ScriptedPeer) -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    ppb_grpc.add_PeerServiceServicer_to_server(peer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@pytest_asyncio.fixture
+async def peers() -> AsyncIterator[list[tuple[ScriptedPeer, str]]]:
+    """Three scripted peer brokers, each at its own address."""
+    async with contextlib.AsyncExitStack() as stack:
+        made = [ScriptedPeer(f"p{n}") for n in range(3)]
+        yield [(peer, await stack.enter_async_context(serving(peer))) for peer in made]
+
+
+class Sender(PeerClients):
+    """PeerClients as a broker builds them, with the backend and metrics they were given at hand."""
+
+    def __init__(self) -> None:
+        self.backend, self.metrics = CountingBackend(), Metrics()
+        super().__init__("prefill", 7, self.backend, metrics=self.metrics)
+
+
+@pytest_asyncio.fixture
+async def clients() -> AsyncIterator[Sender]:
+    made = Sender()
+    yield made
+    await made.close()
+
+
+async def session(clients: PeerClients, address: str, engine_id: str, refresh: bool = False):
+    return await clients.session(address, engine_id, refresh=refresh, timeout=TIMEOUT)
+
+
+async def until(condition, timeout: float = TIMEOUT) -> bool:
+    """Poll `condition` until it holds or `timeout` passes; returns its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if (held := condition()) or loop.time() > deadline:
+            return held
+        await asyncio.sleep(0.01)
+
+
+# -- epochs ---------------------------------------------------------------------------------------
+
+async def test_an_answer_sent_before_a_peer_restart_does_not_undo_the_restart(peers, clients):
+    peer, address = peers[0]
+    peer.epoch = 900
+    await session(clients, address, "decode/c")
+    gate = peer.held["decode/a"] = asyncio.Event()
+    peer.arrived["decode/a"] = asyncio.Event()
+    late = asyncio.create_task(session(clients, address, "decode/a"))
+    await asyncio.wait_for(peer.arrived["decode/a"].wait(), TIMEOUT)  # sent to, and taken by, the old process
+
+    peer.epoch = 100  # the peer restarted; its new epoch is the smaller number
+    b = await session(clients, address, "decode/b")
+    gate.set()
+    a = await asyncio.wait_for(late, TIMEOUT)
+
+    assert (b.epoch, a.epoch) == (100, 100), "the late answer of the old process was taken as the peer's"
+    assert await session(clients, address, "decode/b") is b, "the new epoch's handshake was dropped"
+    assert clients.records[address].epoch == 100
+    assert await until(lambda: clients.backend.disconnects == Counter({"p0@900": 2}))
+    assert clients.backend.connects == Counter({"p0@900": 2, "p0@100": 2})
+    assert clients.metrics.registry.get_sample_value("kvbroker_peer_epoch_changes_total") == 1
+
+
+async def test_a_later_answer_with_a_smaller_epoch_is_a_restart(peers, clients):
+    """Epochs are compared for equality only: a restarted peer may well have the smaller one."""
+    peer, address = peers[0]
+    peer.epoch = 900
+    old = await session(clients, address, "decode/a")
+    peer.epoch = 100
+    new = await session(clients, address, "decode/a", refresh=True)
+    assert (old.epoch, new.epoch, clients.records[address].epoch) == (900, 100, 100)
+    assert await until(lambda: clients.backend.disconnects == Counter({"p0@900": 1}))
