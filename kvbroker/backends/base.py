@@ -3,8 +3,9 @@
 The broker calls, in order: `start`; `register`/`deregister` per engine; `metadata` for each
 handshake it answers; `connect` with a peer's metadata after each handshake it makes; `write`
 per request, with a peer handle that `connect` returned; `disconnect` once for each `connect` whose
-handshake it has replaced or dropped (the peer restarted, re-registered, or became unreachable);
-`close` at shutdown, which releases whatever is still connected.
+handshake it has replaced or dropped (the peer restarted, re-registered, became unreachable or
+sat idle); `close` at shutdown, which releases whatever is still connected. `writing` tells the
+idle policy whether a write to a peer runs.
 
 Peer handles are counted: several handshakes with one peer broker (one per remote engine, each
 refresh) may return the same handle, and the engine forgets the peer only when every `connect`
@@ -57,6 +58,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         """Write every source row to its destination row on the peer; raise TransferFailed or TimeoutError."""
+
+    @abc.abstractmethod
+    def writing(self, peer: object) -> bool:
+        """Whether a `write` to `peer` is running. Called on the event loop, it must not block."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -185,6 +185,10 @@ class MooncakeBackend(Backend):
         """Log fields: the peer session concerned and how many this backend now holds."""
         return {"remote_peer": session, "remote_peers": len(self._peers)}
 
+    def writing(self, peer: object) -> bool:
+        held = self._peers.get(peer)
+        return held is not None and held.busy > 0
+
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

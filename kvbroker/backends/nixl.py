@@ -58,6 +58,7 @@ class NixlBackend(Backend):
         self._agent = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._peers: dict[bytes, _RemoteAgent] = {}  # remote agents loaded; read and written on the NIXL thread
+        self._writing: dict[object, int] = {}  # write() calls running per remote agent; on the event loop
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -142,7 +143,19 @@ class NixlBackend(Backend):
             self._peers[peer].writes -= 1
             self._remove_if_idle(peer)
 
+    def writing(self, peer: object) -> bool:
+        return peer in self._writing
+
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
+        self._writing[peer] = self._writing.get(peer, 0) + 1
+        try:
+            await self._write(peer, descriptors, timeout)
+        finally:
+            self._writing[peer] -= 1
+            if not self._writing[peer]:
+                del self._writing[peer]
+
+    async def _write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         src = np.ascontiguousarray(descriptors.src)
