@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     peer_tls_server_name: str = Field("", description="name to verify in peers' certificates instead of the "
                                                      "host dialed (when dialing by IP)")
     peer_rpc_timeout_s: float = Field(5.0, gt=0, description="timeout of one broker-to-broker call, seconds")
+    peer_idle_s: float = Field(600.0, gt=0, description="a peer address unused for this long is forgotten: its "
+                                                        "handshakes, transfer-engine connection and channel, seconds")
     transfer_timeout_s: float = Field(60.0, gt=0, description="upper bound of one Transfer, seconds")
     default_grant_expiry_s: float = Field(30.0, gt=0, description="grant lifetime when expiry_ms is 0, seconds")
     max_grant_expiry_s: float = Field(600.0, gt=0, description="longest grant a receiver may ask for, seconds")

@@ -11,6 +11,15 @@ Epochs are opaque: a broker's epoch differs on every start but is not ordered (i
 into the clock, and clocks step), so handshake answers are ordered by when they were sent. An
 answer with another epoch than the newest applied, to a handshake sent before that one, comes
 from the process the peer has since replaced: it is given back and the handshake is sent again.
+
+Idle peers: an address not used for `idle_s` (no handshake, claim or completion notice through
+it, no handshake served from the cache, no write through one of its handles) is forgotten: its
+handshakes and parked handles are given back, its channel closed, its record dropped. A replaced
+pod's old address is never dialed again, so nothing else would ever let go of it. A sweeper task,
+started with the first address used and ending when none is left (close cancels it), sleeps until
+the earliest address falls due; an address with a call or a write running (Backend.writing) is
+not due. A transfer uses its address from the handshake to the completion notice with no await
+in between where it holds none of these, so the sweeper never takes a peer from under it.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 log = logging.getLogger(__name__)
 
 _TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
+CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
 
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
@@ -91,21 +101,26 @@ class PeerRecord:
 class PeerClients:
     """The PeerLink of a Broker: handshakes, claims and completion notices over gRPC."""
 
-    def __init__(self, broker_id: str, epoch: int, backend: Backend, *,
+    def __init__(self, broker_id: str, epoch: int, backend: Backend, *, idle_s: float,
                  channel_options: Sequence[tuple[str, object]] = (),
                  credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None) -> None:
         self._metrics = metrics
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
+        self._idle_s = idle_s
         self._options = list(channel_options)
         self._credentials = credentials
         self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub]] = {}
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
-        self._disconnecting: set[asyncio.Task] = set()
+        self._closing: set[asyncio.Task] = set()  # disconnects and channel closes under way
         self._sent = itertools.count(1)  # handshakes, in the order they are sent
+        self._used: dict[str, float] = {}  # address → loop time it was last used
+        self._calls: dict[str, int] = {}  # address → calls through it now running
+        self._sweeper: asyncio.Task | None = None
+        self._closed = False
         self.records: dict[str, PeerRecord] = {}
 
     def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
@@ -117,17 +132,27 @@ class PeerClients:
             self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel))
         return self._channels[address][1]
 
+    def _track(self, task: asyncio.Task) -> None:
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     def _disconnect(self, handles) -> None:
         """Give back these connects of the backend; the engine keeps a peer as long as a write to it runs."""
         for handle in handles:
             task = asyncio.get_running_loop().create_task(self._backend.disconnect(handle))
-            self._disconnecting.add(task)
+            self._track(task)
             task.add_done_callback(self._disconnected)
 
     def _disconnected(self, task: asyncio.Task) -> None:
-        self._disconnecting.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.warning("transfer engine %s could not disconnect a peer: %s", self._backend.name, task.exception())
+
+    def _close_channel(self, address: str) -> None:
+        entry = self._channels.pop(address, None)
+        if entry is not None:
+            task = asyncio.get_running_loop().create_task(entry[0].close())
+            self._track(task)
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _pop_sessions(self, address: str) -> list[object]:
         """Drop the cached handshakes with a peer; returns their peer handles."""
@@ -136,16 +161,63 @@ class PeerClients:
     def forget(self, address: str) -> None:
         """Drop what is cached of a peer; the next call reconnects and handshakes again."""
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
-        entry = self._channels.pop(address, None)
-        if entry is not None:
-            asyncio.get_running_loop().create_task(entry[0].close()).add_done_callback(lambda t: t.exception())
+        self._close_channel(address)
 
-    async def _rpc(self, address: str, call, request, timeout: float):
+    # -- idle addresses -------------------------------------------------------------------------
+    def _begin(self, address: str) -> None:
+        """A call through `address` starts: it is in use until `_end`."""
+        self._calls[address] = self._calls.get(address, 0) + 1
+        self._used[address] = asyncio.get_running_loop().time()
+        if not self._closed and (self._sweeper is None or self._sweeper.done()):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="peer idle sweeper")
+            self._sweeper.add_done_callback(_sweeper_ended)
+
+    def _end(self, address: str) -> None:
+        self._used[address] = asyncio.get_running_loop().time()
+        self._calls[address] -= 1
+        if not self._calls[address]:
+            del self._calls[address]
+
+    async def _sweep(self) -> None:
+        """Forget each address once it has been idle for idle_s; end when no address is left."""
+        loop = asyncio.get_running_loop()
+        while self._used:
+            now = loop.time()
+            due = now + self._idle_s  # an address in use is looked at again after idle_s at the latest
+            for address, used in list(self._used.items()):
+                if self._in_use(address):
+                    continue
+                if now - used >= self._idle_s:
+                    self._forget_idle(address, now - used)
+                else:
+                    due = min(due, used + self._idle_s)
+            if self._used:
+                await asyncio.sleep(due - now)
+
+    def _in_use(self, address: str) -> bool:
+        """A call through the address runs, or the transfer engine writes through one of its handles."""
+        if address in self._calls:
+            return True
+        handles = [s.peer_handle for k, s in self._sessions.items() if k[0] == address]
+        return any(self._backend.writing(h) for h in handles + self._parked.get(address, []))
+
+    def _forget_idle(self, address: str, idle: float) -> None:
+        handles = self._pop_sessions(address) + self._parked.pop(address, [])
+        self._disconnect(handles)
+        self._close_channel(address)
+        record = self.records.pop(address, None)
+        del self._used[address]
+        log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
+                                                "idle_s": round(idle, 3), "handshakes_given_back": len(handles)})
+
+    # -- calls ----------------------------------------------------------------------------------
+    async def _rpc(self, address: str, method: str, request, timeout: float):
         loop = asyncio.get_running_loop()
         timeout = max(timeout, 0.001)
         deadline = loop.time() + timeout
+        self._begin(address)
         try:
-            return await call(request, timeout=timeout, wait_for_ready=False)
+            return await getattr(self._stub(address), method)(request, timeout=timeout, wait_for_ready=False)
         except grpc.aio.AioRpcError as exc:
             # DEADLINE_EXCEEDED is ours when our deadline passed; before it, the peer said it (an expired grant).
             silent = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() >= deadline - 0.001
@@ -157,8 +229,17 @@ class PeerClients:
                 raise BrokerError(Code.PERMISSION_DENIED,
                                   f"peer broker {address}: TLS authentication failed: {exc.details()}") from None
             raise from_rpc_error(exc, f"peer broker {address}") from None
+        finally:
+            self._end(address)
 
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:
+        self._begin(address)
+        try:
+            return await self._session(address, engine_id, refresh, timeout)
+        finally:
+            self._end(address)
+
+    async def _session(self, address: str, engine_id: str, refresh: bool, timeout: float) -> PeerSession:
         key = (address, engine_id)
         if not refresh and key in self._sessions:
             return self._sessions[key]
@@ -189,7 +270,7 @@ class PeerClients:
         request = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
                                        backend=self._backend.name)
         sent = next(self._sent)
-        reply = await self._rpc(address, self._stub(address).Handshake, request, timeout)
+        reply = await self._rpc(address, "Handshake", request, timeout)
         try:
             engine = convert.engine_layout_in(reply.engine)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
@@ -231,7 +312,7 @@ class PeerClients:
                                         engine_id=session.engine.engine_id, request_id=request_id,
                                         components=[int(c) for c in components],
                                         dst_page_ids=dst_page_ids.tolist())
-        reply = await self._rpc(session.address, self._stub(session.address).ClaimGrant, request, timeout)
+        reply = await self._rpc(session.address, "ClaimGrant", request, timeout)
         grant = Grant(convert.page_ids_in(reply.dst_page_ids), reply.claim_token, reply.remaining_ms / 1000)
         return ClaimResult(grant, reply.epoch, reply.generation)
 
@@ -242,7 +323,7 @@ class PeerClients:
             succeeded=status.state is not State.FAILED, code=status.code, reason=status.reason,
             pages=status.pages, runs=status.runs, bytes=status.bytes, truncated_pages=status.truncated_pages,
         )
-        reply = await self._rpc(address, self._stub(address).CompleteTransfer, request, timeout)
+        reply = await self._rpc(address, "CompleteTransfer", request, timeout)
         try:
             return State(reply.state)
         except ValueError:
@@ -250,10 +331,24 @@ class PeerClients:
                                             f"for the grant") from None
 
     async def close(self) -> None:
-        channels = [c for c, _ in self._channels.values()]
-        self._channels.clear()
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.wait([self._sweeper], timeout=CLOSE_WAIT_S)
+        for address in list(self._channels):
+            self._close_channel(address)
         handles = [s.peer_handle for s in self._sessions.values()] + [h for p in self._parked.values() for h in p]
         self._sessions.clear()
         self._parked.clear()
+        self._used.clear()
         self._disconnect(handles)
-        await asyncio.gather(*(c.close() for c in channels), *self._disconnecting, return_exceptions=True)
+        if self._closing:
+            _, late = await asyncio.wait(list(self._closing), timeout=CLOSE_WAIT_S)
+            if late:
+                log.warning("%d peer channels or transfer-engine peers not released within %.0fs", len(late),
+                            CLOSE_WAIT_S)
+
+
+def _sweeper_ended(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("the peer idle sweeper failed: %r", task.exception(), exc_info=task.exception())

@@ -109,8 +109,9 @@ class BrokerServer:
                            ("grpc.max_send_message_length", s.max_message_bytes)]
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
-        self._peers = PeerClients(broker.broker_id, broker.epoch, backend, channel_options=channel_options,
-                                  credentials=channel_credentials, metrics=self.metrics)
+        self._peers = PeerClients(broker.broker_id, broker.epoch, backend, idle_s=s.peer_idle_s,
+                                  channel_options=channel_options, credentials=channel_credentials,
+                                  metrics=self.metrics)
         broker.peers = self._peers
 
         peer_server = self._grpc_server(PEER_SERVICE)

@@ -1,6 +1,7 @@
 """The transfer engine lets go of peers it no longer needs: a peer broker that restarted leaves the
 sender holding its new self only, and a peer is never dropped under a write that is still running.
 A peer that restarts as the same broker id and pid, as a container does, is a new peer all the same.
+A peer no longer used (a replaced pod's old address) is forgotten after peer_idle_s; one in use is not.
 
 What the engine holds is read from the broker's own INFO log lines (`remote_peer`, `remote_peers`),
 which each backend writes when it connects a new peer and when it forgets one.
@@ -24,8 +25,9 @@ from kvbroker.config import Settings
 from kvbroker.launch import start_broker
 from kvbroker.planner import Descriptors
 from kvbroker.registry import Region
+from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
-from tests.conftest import ALL, Broker, assert_bytes, close_broker, expected_after, open_broker
+from tests.conftest import ALL, SMALL, Broker, assert_bytes, close_broker, expected_after, open_broker
 from tests.integration.test_failures import free_port
 from tests.integration.test_transfer import grant, transfer
 
@@ -91,6 +93,94 @@ async def test_a_restarted_peer_leaves_the_sender_holding_only_its_new_self(back
         assert events[-1]["remote_peers"] == 1 and len(held(events)) == 1 and old not in held(events), events
     finally:
         for broker in (prefill, decode):
+            broker.process.kill()
+            await close_broker(broker)
+
+
+async def peer_addresses(broker) -> set[str]:
+    """The peers GetBrokerInfo lists."""
+    info = await broker.stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=10)
+    return {p.address for p in info.peers}
+
+
+IDLE_S = 2.0
+
+
+async def until(condition, timeout: float):
+    """Poll `condition` until it is true or `timeout` passes; returns its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if (value := condition()) or loop.time() > deadline:
+            return value
+        await asyncio.sleep(0.05)
+
+
+def connected(broker) -> list[str]:
+    """The peers the broker's transfer engine connected, in order."""
+    return [e["remote_peer"] for e in peer_events(broker) if e["msg"].endswith("connected")]
+
+
+def forgotten(broker) -> list[str]:
+    return [e["remote_peer"] for e in peer_events(broker) if e["msg"].endswith("forgotten")]
+
+
+async def test_a_peer_no_longer_used_is_forgotten_and_one_in_use_is_not(backend, engines, request_id):
+    """A replaced pod comes back at a new address: the sender never dials the old one again and, after
+    peer_idle_s, holds nothing of it, while it keeps the peer it goes on using; that one goes too once
+    unused, and is usable again after."""
+    prefill = await open_broker("prefill-idle", backend, "--log-level", "INFO", "--log-format", "json",
+                                "--peer-idle-s", str(IDLE_S))
+    old = await open_broker("decode-old", backend)
+    new = await open_broker("decode-new", backend)
+    sent = iter(range(1 << 30))
+    in_use = asyncio.Event()
+    try:
+        src = await engines.make(prefill, "prefill")
+        dst_old = await engines.make(old, "decode", fill="canary")
+        dst_new = await engines.make(new, "decode", fill="canary")
+
+        async def use(dst) -> None:
+            n = next(sent)
+            await grant(dst, f"{request_id}-{n}", [n % SMALL.num_pages])
+            await transfer(src, dst, f"{request_id}-{n}", [n % SMALL.num_pages])
+
+        async def keep_using(dst) -> int:
+            """Transfers to `dst`, ten per idle period, until told to stop; returns how many."""
+            uses = 0
+            while in_use.is_set():
+                await use(dst)
+                uses += 1
+                await asyncio.sleep(IDLE_S / 10)
+            return uses
+
+        await use(dst_old)
+        in_use.set()
+        using = asyncio.create_task(keep_using(dst_new))
+        assert await until(lambda: len(connected(prefill)) >= 2 or using.done(), 10), peer_events(prefill)
+        old_peer, new_peer = connected(prefill)[:2]
+        assert await close_broker(old) == 0  # the pod is replaced by `new`, at another address
+
+        assert await until(lambda: old_peer in forgotten(prefill) or using.done(), 10 * IDLE_S), peer_events(prefill)
+        assert await peer_addresses(prefill) == {new.peer_address}
+        await until(lambda: using.done(), 3 * IDLE_S)  # three idle periods more of using the new peer
+        assert not using.done(), using.exception()
+        in_use.clear()
+        assert await asyncio.wait_for(using, 10) >= 10
+        assert new_peer not in forgotten(prefill) and held(peer_events(prefill)) == {new_peer}, peer_events(prefill)
+        assert await peer_addresses(prefill) == {new.peer_address}
+
+        assert await until(lambda: new_peer in forgotten(prefill), 10 * IDLE_S), "a peer no longer used stayed"
+        assert held(peer_events(prefill)) == set()
+        assert await peer_addresses(prefill) == set()
+        before = dst_new.segment.array.copy()
+        await grant(dst_new, request_id + "-again", [40, 41])
+        await transfer(src, dst_new, request_id + "-again", [1, 2])
+        assert_bytes(dst_new, expected_after(src, dst_new, before, ALL, [1, 2], [40, 41]))
+        assert await peer_addresses(prefill) == {new.peer_address}
+    finally:
+        in_use.clear()
+        for broker in (prefill, old, new):
             broker.process.kill()
             await close_broker(broker)
 

@@ -1,5 +1,6 @@
 """PeerClients against scripted peers (in-process gRPC servers on loopback) and a backend that counts:
-handshake answers are ordered by when they were sent, never by comparing epochs."""
+handshake answers are ordered by when they were sent, never by comparing epochs, and an address left
+unused for idle_s is forgotten while one in use is not."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 TIMEOUT = 5.0
+IDLE_S = 0.5
 
 
 def layout(engine_id: str) -> EngineLayout:
@@ -52,13 +54,14 @@ class ScriptedPeer(ppb_grpc.PeerServiceServicer):
 
 
 class CountingBackend(Backend):
-    """Connects and disconnects counted per peer handle (the metadata)."""
+    """Connects and disconnects counted per peer handle (the metadata); `busy` handles are being written to."""
 
     name = "counting"
 
     def __init__(self) -> None:
         self.connects: Counter[str] = Counter()
         self.disconnects: Counter[str] = Counter()
+        self.busy: set[str] = set()
 
     async def start(self) -> None: ...
     async def register(self, regions: Sequence) -> object: ...
@@ -74,6 +77,8 @@ class CountingBackend(Backend):
     async def disconnect(self, peer: object) -> None:
         self.disconnects[peer] += 1
 
+    def writing(self, peer: object) -> bool:
+        return peer in self.busy
 
 
 @contextlib.asynccontextmanager
@@ -99,9 +104,9 @@ async def peers() -> AsyncIterator[list[tuple[ScriptedPeer, str]]]:
 class Sender(PeerClients):
     """PeerClients as a broker builds them, with the backend and metrics they were given at hand."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = IDLE_S) -> None:
         self.backend, self.metrics = CountingBackend(), Metrics()
-        super().__init__("prefill", 7, self.backend, metrics=self.metrics)
+        super().__init__("prefill", 7, self.backend, idle_s=idle_s, metrics=self.metrics)
 
 
 @pytest_asyncio.fixture
@@ -113,6 +118,10 @@ async def clients() -> AsyncIterator[Sender]:
 
 async def session(clients: PeerClients, address: str, engine_id: str, refresh: bool = False):
     return await clients.session(address, engine_id, refresh=refresh, timeout=TIMEOUT)
+
+
+def sweepers() -> int:
+    return sum(task.get_name() == "peer idle sweeper" and not task.done() for task in asyncio.all_tasks())
 
 
 async def until(condition, timeout: float = TIMEOUT) -> bool:
@@ -158,3 +167,58 @@ async def test_a_later_answer_with_a_smaller_epoch_is_a_restart(peers, clients):
     new = await session(clients, address, "decode/a", refresh=True)
     assert (old.epoch, new.epoch, clients.records[address].epoch) == (900, 100, 100)
     assert await until(lambda: clients.backend.disconnects == Counter({"p0@900": 1}))
+
+
+# -- idle addresses -------------------------------------------------------------------------------
+
+async def test_an_address_unused_for_idle_s_is_forgotten(peers, clients):
+    peer, address = peers[0]
+    await session(clients, address, "decode/a")
+    await session(clients, address, "decode/b")
+    assert address in clients.records
+
+    assert await until(lambda: address not in clients.records)
+    assert await until(lambda: clients.backend.disconnects == Counter({"p0@1": 2}))
+    await session(clients, address, "decode/a")  # usable again: a fresh handshake
+    assert (peer.handshakes, clients.records[address].handshakes) == (3, 1)
+    assert await until(lambda: address not in clients.records), "the sweeper did not start again"
+
+
+async def test_an_address_in_use_is_not_forgotten(peers, clients):
+    (_, unused), (_, used) = peers[:2]
+    await session(clients, unused, "decode/a")
+    await session(clients, used, "decode/a")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT
+    while unused in clients.records:
+        assert loop.time() < deadline, "the unused address was never forgotten"
+        await session(clients, used, "decode/a")  # a handshake served from the cache is a use too
+        await asyncio.sleep(IDLE_S / 10)
+    deadline = loop.time() + 3 * IDLE_S
+    while loop.time() < deadline:
+        await session(clients, used, "decode/a")
+        await asyncio.sleep(IDLE_S / 10)
+    assert used in clients.records and clients.records[used].handshakes == 1
+    assert clients.backend.disconnects == Counter({"p0@1": 1})  # the unused one's only
+
+
+async def test_an_address_is_not_forgotten_while_a_write_through_it_runs(peers, clients):
+    (_, writing), (_, idle) = peers[:2]
+    handle = (await session(clients, writing, "decode/a")).peer_handle
+    clients.backend.busy.add(handle)
+    await session(clients, idle, "decode/a")  # used after the other: due later
+
+    assert await until(lambda: idle not in clients.records)
+    assert writing in clients.records, "the peer was forgotten under a running write"
+    clients.backend.busy.clear()
+    assert await until(lambda: writing not in clients.records)
+
+
+async def test_close_stops_the_sweeper_and_gives_back_every_handshake(peers):
+    clients = Sender(idle_s=60.0)
+    for n, (_, address) in enumerate(peers):
+        await session(clients, address, f"decode/{n}")
+    assert sweepers() == 1
+    await asyncio.wait_for(clients.close(), TIMEOUT)
+    assert sweepers() == 0
+    assert clients.backend.disconnects == Counter({"p0@1": 1, "p1@1": 1, "p2@1": 1})
