@@ -10,6 +10,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -24,6 +25,7 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 
 BACKENDS = ["nixl", "mooncake"]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -156,3 +158,28 @@ def assert_bytes(dst: Engine, expected: np.ndarray) -> None:
     """Every byte of the destination pool: moved pages equal the source, all else still canary."""
     diff = np.flatnonzero(dst.segment.array != expected)
     assert diff.size == 0, f"{diff.size} bytes differ, first at offset {diff[0] if diff.size else None}"
+
+
+async def run_engines_in_child(module: str, function: str, backend: str, timeout: float) -> dict:
+    """`await module.function(backend)` in a child process, and the dict it returned.
+
+    NIXL's UCX teardown crashes at interpreter exit, so engines created directly by a test live in a
+    child that leaves with os._exit, as `kvbroker serve` does, and reports what it saw as one JSON line.
+    """
+    import asyncio
+    import json
+    import sys
+
+    code = (f"import asyncio, json, os, sys; from {module} import {function}; "
+            f"print(json.dumps(asyncio.run({function}(sys.argv[1]))), flush=True); os._exit(0)")
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, backend,
+                                                 cwd=REPO_ROOT,
+                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(), timeout)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0, err.decode(errors="replace")[-3000:]
+    return json.loads(out.decode().strip().splitlines()[-1])

@@ -26,7 +26,7 @@ from kvbroker.planner import Descriptors
 from kvbroker.registry import Region
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import ALL, assert_bytes, expected_after
+from tests.conftest import ALL, assert_bytes, expected_after, run_engines_in_child
 
 pytestmark = pytest.mark.integration
 
@@ -102,24 +102,8 @@ async def refuse_then_write(backend: str) -> dict:
     return seen
 
 
-# NIXL's UCX teardown crashes at interpreter exit, so the engines live in a child process that leaves
-# with os._exit, as `kvbroker serve` does, and reports what it saw as one JSON line.
-CHILD = ("import asyncio, json, os, sys; from tests.integration.test_backends import refuse_then_write; "
-         "print(json.dumps(asyncio.run(refuse_then_write(sys.argv[1]))), flush=True); os._exit(0)")
-
-
 async def test_engine_refusal_is_transfer_failed_and_the_next_write_still_works(backend):
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, backend, cwd=ROOT,
-                                                 stdout=asyncio.subprocess.PIPE,
-                                                 stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), 120)
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, err.decode(errors="replace")[-3000:]
-    seen = json.loads(out.decode().strip().splitlines()[-1])
+    seen = await run_engines_in_child("tests.integration.test_backends", "refuse_then_write", backend, 120)
     assert seen["refusal"] is not None, "the engine accepted a write outside the peer's registered memory"
     assert seen["refusal"].startswith("TransferFailed: ") and ENGINE_WORD[backend] in seen["refusal"]
     assert seen["moved"], "a good write after the refusal did not move every byte"

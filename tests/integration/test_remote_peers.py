@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
 import grpc
@@ -27,7 +26,16 @@ from kvbroker.planner import Descriptors
 from kvbroker.registry import Region
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
-from tests.conftest import ALL, SMALL, Broker, assert_bytes, close_broker, expected_after, open_broker
+from tests.conftest import (
+    ALL,
+    SMALL,
+    Broker,
+    assert_bytes,
+    close_broker,
+    expected_after,
+    open_broker,
+    run_engines_in_child,
+)
 from tests.integration.test_failures import free_port
 from tests.integration.test_transfer import grant, transfer
 
@@ -252,23 +260,8 @@ async def disconnect_during_write(backend: str) -> dict:
     return seen
 
 
-# As in test_backends: the engines live in a child process that leaves with os._exit.
-CHILD = ("import asyncio, json, os, sys; from tests.integration.test_remote_peers import disconnect_during_write; "
-         "print(json.dumps(asyncio.run(disconnect_during_write(sys.argv[1]))), flush=True); os._exit(0)")
-
-
 async def test_a_peer_given_back_during_a_write_is_forgotten_only_when_the_write_ends(backend):
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, backend, cwd=ROOT,
-                                                 stdout=asyncio.subprocess.PIPE,
-                                                 stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), 150)
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, err.decode(errors="replace")[-3000:]
-    seen = json.loads(out.decode().strip().splitlines()[-1])
+    seen = await run_engines_in_child("tests.integration.test_remote_peers", "disconnect_during_write", backend, 150)
     nixl = backend == "nixl"
     assert seen["same_handle"], "two connects with one peer's metadata gave different handles"
     assert seen["loaded_after_one_disconnect"] is (True if nixl else None)
