@@ -5,7 +5,7 @@
 
 On one machine with an NVIDIA GPU (one is enough: both servers then share it; with two, the
 decode side takes the second):
-- two brokers start (kvbroker.launch.start_broker), and two server processes (this script with
+- two brokers start (kvbroker.tools.launch.start_broker), and two server processes (this script with
   `--serve`), each holding a MiniMax-M3-shaped pool on its GPU: MAIN_KV as K and V on every layer,
   MINIMAX_INDEX_K on the sparse layers. Each server registers its pool with its own broker, for
   each ownership asked for: `server` (the server allocates with torch and exports CUDA IPC handles
@@ -53,9 +53,9 @@ sys.path[:0] = [p for p in _PATHS if p not in sys.path]
 os.environ["PYTHONPATH"] = os.pathsep.join([*_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # what start_broker gives the brokers, for the direct path too
 
-from kvbroker import demo  # noqa: E402
 from kvbroker.memory import plan_pool  # noqa: E402
 from kvbroker.planner import plan_runs  # noqa: E402
+from kvbroker.tools import shapes  # noqa: E402
 
 MiB = 1 << 20
 OWNERSHIPS = ("server", "broker")
@@ -101,11 +101,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Check:
                  a.src_device, a.dst_device, a.seed, a.deadline_s, a.out)
 
 
-def check_shape(size_mib: int) -> demo.ModelShape:
+def check_shape(size_mib: int) -> shapes.ModelShape:
     """MiniMax-M3-like, per attention-TP rank: 4 dense + 60 sparse layers, MAIN_KV K and V (bf16, one
     KV head of 128), the K-only index (fp8, 128 wide) on the sparse layers, 16-token pages; a request
     of at least `size_mib` MiB, in a pool with twice its pages so the page lists can be fragmented."""
-    base = demo.ModelShape("m3-gpu-check", dense_layers=4, sparse_layers=60, page_size=16, kv_heads=1,
+    base = shapes.ModelShape("m3-gpu-check", dense_layers=4, sparse_layers=60, page_size=16, kv_heads=1,
                            head_dim=128, kv_bytes=2, index_head_dim=128, index_bytes=1, num_pages=MAX_RUN,
                            request_pages=1)
     pages = max(1, math.ceil(size_mib * MiB / base.request_bytes(1)))
@@ -113,17 +113,17 @@ def check_shape(size_mib: int) -> demo.ModelShape:
     return dataclasses.replace(base, num_pages=pool, request_pages=pages)
 
 
-def page_lists(shape: demo.ModelShape, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def page_lists(shape: shapes.ModelShape, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination page ids: distinct, in runs of 1..16 pages, shuffled; as the demo makes them."""
     rng = np.random.default_rng(seed)
-    src = demo.fragmented_pages(rng, shape.num_pages, shape.request_pages, MAX_RUN)
-    dst = demo.fragmented_pages(rng, shape.num_pages, shape.request_pages, MAX_RUN)
+    src = shapes.fragmented_pages(rng, shape.num_pages, shape.request_pages, MAX_RUN)
+    dst = shapes.fragmented_pages(rng, shape.num_pages, shape.request_pages, MAX_RUN)
     return src, dst
 
 
-def broker_pool_placements(shape: demo.ModelShape) -> tuple[list[demo.BufferPlacement], int]:
+def broker_pool_placements(shape: shapes.ModelShape) -> tuple[list[shapes.BufferPlacement], int]:
     """Where a broker-owned pool puts the layer buffers (registration order, aligned), and its size."""
-    placements = demo.place_buffers(shape)
+    placements = shapes.place_buffers(shape)
     offsets, size = plan_pool([shape.num_pages * p.item_len for p in placements])
     return [dataclasses.replace(p, offset=o) for p, o in zip(placements, offsets)], size
 
@@ -152,7 +152,7 @@ def ratios(stages: dict) -> dict:
     return out
 
 
-def register_request(engine_id: str, shape: demo.ModelShape, placements: list[demo.BufferPlacement],
+def register_request(engine_id: str, shape: shapes.ModelShape, placements: list[shapes.BufferPlacement],
                      refs: Sequence | None, device: int):
     """RegisterEngine for the check's engine: each buffer at its CudaIpcRef, or (refs None) broker-owned."""
     from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -169,7 +169,7 @@ def register_request(engine_id: str, shape: demo.ModelShape, placements: list[de
             for p, ref in zip(placements, refs) if p.component == kind]))
     ownership = bpb.MEMORY_OWNERSHIP_BROKER if all(r is None for r in refs) else bpb.MEMORY_OWNERSHIP_SERVER
     return bpb.RegisterEngineRequest(
-        engine_id=engine_id, topology=demo.topology(shape), components=components, memory_ownership=ownership,
+        engine_id=engine_id, topology=shapes.topology(shape), components=components, memory_ownership=ownership,
         allocation_device=device if ownership == bpb.MEMORY_OWNERSHIP_BROKER else 0)
 
 
@@ -182,7 +182,7 @@ class _CudaArray:
                                          "version": 3, "strides": None}
 
 
-def serve(role: str, broker: str, device: int, ownership: str, shape: demo.ModelShape, seed: int) -> int:
+def serve(role: str, broker: str, device: int, ownership: str, shape: shapes.ModelShape, seed: int) -> int:
     """One inference server: a pool on `device`, registered with `broker`; answers dump/exit on stdin."""
     import grpc
     import torch
@@ -194,13 +194,13 @@ def serve(role: str, broker: str, device: int, ownership: str, shape: demo.Model
     engine_id = f"{role}-gpu-check/tp0"
     cuda = torch.device("cuda", device)
     torch.cuda.set_device(cuda)
-    placements = demo.place_buffers(shape)
+    placements = shapes.place_buffers(shape)
     stub = bpb_grpc.BrokerServiceStub(grpc.insecure_channel(broker))
     session = stub.OpenSession(bpb.OpenSessionRequest(holder=f"gpu-check {role} pid {os.getpid()}"))
     session_id = next(session).session_id  # the engine is released when this process goes, however it goes
     opened = driver = None
     if ownership == "server":
-        pool = torch.empty(demo.pool_size(shape, placements), dtype=torch.uint8, device=cuda)
+        pool = torch.empty(shapes.pool_size(shape, placements), dtype=torch.uint8, device=cuda)
         refs = [cuda_ipc_ref(pool[p.offset:p.offset + shape.num_pages * p.item_len]) for p in placements]
         request = register_request(engine_id, shape, placements, refs, device)
         request.session_id = session_id
@@ -223,7 +223,7 @@ def serve(role: str, broker: str, device: int, ownership: str, shape: demo.Model
         generator = torch.Generator(device=cuda).manual_seed(seed)
         pool.copy_(torch.randint(0, 256, pool.shape, dtype=torch.uint8, device=cuda, generator=generator))
     else:
-        pool.fill_(demo.CANARY)
+        pool.fill_(shapes.CANARY)
     torch.cuda.synchronize(cuda)
     print(json.dumps({"ready": True, "engine_id": engine_id, "offsets": offsets, "pool_bytes": pool.numel(),
                       "memory_ownership": bpb.MemoryOwnership.Name(reply.engine.memory_ownership)}), flush=True)
@@ -287,17 +287,17 @@ class Server:
 
 
 # -- the stages ----------------------------------------------------------------------------------
-async def broker_stage(check: Check, ownership: str, shape: demo.ModelShape, devices: tuple[int, int],
+async def broker_stage(check: Check, ownership: str, shape: shapes.ModelShape, devices: tuple[int, int],
                        left, scratch: Path) -> dict:
     """Register both pools (`ownership`), move one verified request, then time `repeats` more."""
     import grpc
 
-    from kvbroker.launch import start_broker
+    from kvbroker.tools.launch import start_broker
     from kvbroker_client.v1 import broker_service_pb2 as bpb
     from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
     src_ids, dst_ids = page_lists(shape, check.seed)
-    placements = demo.place_buffers(shape) if ownership == "server" else broker_pool_placements(shape)[0]
+    placements = shapes.place_buffers(shape) if ownership == "server" else broker_pool_placements(shape)[0]
     brokers, servers = [], []
     try:
         brokers = list(await asyncio.wait_for(asyncio.gather(
@@ -313,7 +313,7 @@ async def broker_stage(check: Check, ownership: str, shape: demo.ModelShape, dev
                                    f"expected {[p.offset for p in placements][:4]}...")
         src = await prefill.dump(str(scratch / "src"), left())
         before = await decode.dump(str(scratch / "dst"), left())
-        expected = demo.expected_destination(src, before, shape, placements, set(COMPONENTS), src_ids, dst_ids)
+        expected = shapes.expected_destination(src, before, shape, placements, set(COMPONENTS), src_ids, dst_ids)
         async with grpc.aio.insecure_channel(brokers[0].listen) as p_chan, \
                 grpc.aio.insecure_channel(brokers[1].listen) as d_chan:
             p_stub, d_stub = bpb_grpc.BrokerServiceStub(p_chan), bpb_grpc.BrokerServiceStub(d_chan)
@@ -375,7 +375,7 @@ async def session_end(server: Server, stub, timeout: float) -> dict:
             "error": f"the engine was still registered {timeout:.0f}s after its server was killed"}
 
 
-def gpu_buffers(shape: demo.ModelShape, placements, base: int, device: int):
+def gpu_buffers(shape: shapes.ModelShape, placements, base: int, device: int):
     """Layer buffers as the broker orders them for a transfer (by component, then layer and role), on a GPU."""
     from kvbroker.model import BufferLayout, MemoryKind, Role
 
@@ -387,7 +387,7 @@ def gpu_buffers(shape: demo.ModelShape, placements, base: int, device: int):
     return out
 
 
-async def direct_stage(check: Check, shape: demo.ModelShape, devices: tuple[int, int], left) -> dict:
+async def direct_stage(check: Check, shape: shapes.ModelShape, devices: tuple[int, int], left) -> dict:
     """Two Backend instances of the engine in this process, the same descriptors, pools this process owns."""
     import torch
 
@@ -396,14 +396,14 @@ async def direct_stage(check: Check, shape: demo.ModelShape, devices: tuple[int,
     from kvbroker.planner import build_descriptors
     from kvbroker.registry import Region
 
-    placements = demo.place_buffers(shape)
-    size = demo.pool_size(shape, placements)
+    placements = shapes.place_buffers(shape)
+    size = shapes.pool_size(shape, placements)
     src_ids, dst_ids = page_lists(shape, check.seed)
     generator = torch.Generator(device=f"cuda:{devices[0]}").manual_seed(check.seed)
     src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=f"cuda:{devices[0]}", generator=generator)
-    dst = torch.full((size,), demo.CANARY, dtype=torch.uint8, device=f"cuda:{devices[1]}")
+    dst = torch.full((size,), shapes.CANARY, dtype=torch.uint8, device=f"cuda:{devices[1]}")
     torch.cuda.synchronize()
-    expected = demo.expected_destination(src.cpu().numpy(), dst.cpu().numpy(), shape, placements, set(COMPONENTS),
+    expected = shapes.expected_destination(src.cpu().numpy(), dst.cpu().numpy(), shape, placements, set(COMPONENTS),
                                          src_ids, dst_ids)
     settings = Settings(backend=check.backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
     sender = create_backend(settings, f"gpu-check-src-{os.getpid()}")
@@ -498,7 +498,7 @@ async def run(check: Check) -> tuple[dict, int]:
     shape = check_shape(check.size_mib)
     src_ids, dst_ids = page_lists(shape, check.seed)
     report = {"check": "gpu", "backend": check.backend, "environment": environment(devices),
-              "shape": dataclasses.asdict(shape), "layer_buffers": len(demo.place_buffers(shape)),
+              "shape": dataclasses.asdict(shape), "layer_buffers": len(shapes.place_buffers(shape)),
               "request": {"pages": shape.request_pages, "bytes": shape.request_bytes(),
                           "runs": plan_runs(src_ids, dst_ids).count}, "stages": {}}
     stages = report["stages"]

@@ -5,7 +5,11 @@ one JSON line on stdout when both listeners are bound, with their resolved addre
 demo: two brokers in subprocesses, one MiniMax-M3-shaped request, every byte verified.
 status: a running broker's engines, peers and counters (kvbroker/status.py).
 health: exit 0 if a broker reports SERVING (kvbroker/probe.py; the image's HEALTHCHECK).
-bench: the benchmark suite (kvbroker/bench.py): a table on the terminal, JSON with --json / --out.
+bench: the benchmark suite (kvbroker/tools/bench.py): a table on the terminal, JSON with --json / --out.
+
+The tooling (kvbroker/tools: demo, bench) is imported only inside its command's branch, as SGLang's
+get_kv_class imports each backend; its arguments are declared here, so that `kvbroker serve` loads
+neither the tooling nor numpy.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
-from kvbroker import bench, logs, probe, status
+from kvbroker import logs, probe, status
 from kvbroker.config import Settings, add_settings_arguments, settings_from_args
 
 log = logging.getLogger("kvbroker")
@@ -58,6 +63,30 @@ async def serve(settings: Settings) -> int:
     return 0
 
 
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """`kvbroker demo`'s arguments (kvbroker/tools/demo.py `run`)."""
+    parser.add_argument("--preset", choices=["toy", "large"], default="toy")
+    parser.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+
+
+def _bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """`kvbroker bench`'s arguments (kvbroker/tools/bench.py `run`)."""
+    parser.add_argument("--quick", action="store_true", help="small sizes, few iterations (under a minute)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the JSON report on stdout (the table goes to stderr)")
+    parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
+    parser.add_argument("--backends", default="nixl,mooncake",
+                        help="comma-separated transfer engines; those not installed are skipped")
+    parser.add_argument("--sections", default="data,control,planner,registration",
+                        help="comma-separated subset of data,control,planner,registration")
+    parser.add_argument("--sizes", metavar="MIB,...",
+                        help="data-plane request sizes in MiB, comma-separated (overrides the plan)")
+    parser.add_argument("--repeats", type=int, help="timed runs per data-plane case (median reported)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def _run(coro) -> int:
     import uvloop
 
@@ -69,14 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     serve_cmd = commands.add_parser("serve", help="run a broker")
     add_settings_arguments(serve_cmd)
-    demo_cmd = commands.add_parser("demo", help="move a MiniMax-M3-shaped request between two brokers")
-    demo_cmd.add_argument("--preset", choices=["toy", "large"], default="toy")
-    demo_cmd.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
-    demo_cmd.add_argument("--seed", type=int, default=0)
-    demo_cmd.add_argument("--json", action="store_true", help="print the figures as JSON")
+    _demo_arguments(commands.add_parser("demo", help="move a MiniMax-M3-shaped request between two brokers"))
     status.add_arguments(commands.add_parser("status", help="show a running broker's engines, peers and counters"))
     probe.add_arguments(commands.add_parser("health", help="exit 0 if a broker's grpc.health.v1 says SERVING"))
-    bench.add_arguments(commands.add_parser("bench", help="measure data and control plane, planner, registration"))
+    _bench_arguments(commands.add_parser("bench", help="measure data and control plane, planner, registration"))
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -87,11 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)  # engine libraries may crash in their own teardown after a clean shutdown
     if args.command == "demo":
-        from kvbroker import demo
+        from kvbroker.tools import demo
 
         logs.configure("WARNING", "text")
         return _run(demo.run(args.preset, args.backend, args.seed, args.json))
     if args.command == "bench":
+        from kvbroker.tools import bench
+
         logs.configure("WARNING", "text")
         return _run(bench.run(args))
     if args.command == "status":

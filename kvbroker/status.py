@@ -12,14 +12,15 @@ import argparse
 import json
 import sys
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.config import Settings
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
-from kvbroker_client.v1 import common_pb2 as pb
+
+if TYPE_CHECKING:
+    from kvbroker_client.v1 import broker_service_pb2 as bpb
 
 STATES = ("PENDING", "TRANSFERRING", "SUCCEEDED", "FAILED")
 
@@ -29,6 +30,9 @@ def _enum(enum, value: int, prefix: str) -> str:
 
 
 def _engine(e: bpb.EngineInfo) -> dict:
+    from kvbroker_client.v1 import broker_service_pb2 as bpb
+    from kvbroker_client.v1 import common_pb2 as pb
+
     t = e.topology
     return {
         "engine_id": e.engine_id,
@@ -49,6 +53,11 @@ def _engine(e: bpb.EngineInfo) -> dict:
 
 def query(address: str, timeout_s: float = 5.0) -> dict:
     """The broker at `address` as a dict; raises grpc.RpcError when it does not answer GetBrokerInfo."""
+    # The stubs on use: importing kvbroker_client loads its client and numpy, which the CLI's
+    # argument parser (built for every command, `serve` included) has no need of.
+    from kvbroker_client.v1 import broker_service_pb2 as bpb
+    from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+
     with grpc.insecure_channel(address) as channel:
         info = bpb_grpc.BrokerServiceStub(channel).GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=timeout_s)
         try:

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kvbroker import demo
-from kvbroker.launch import BrokerProcess, start_broker
+from kvbroker.tools import shapes
+from kvbroker.tools.launch import BrokerProcess, start_broker
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
@@ -29,9 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-# A small MiniMax-M3-like shape: 3 dense + 4 sparse layers, 64 pages per buffer.
-SMALL = demo.ModelShape("small", 3, 4, page_size=4, kv_heads=1, head_dim=32, kv_bytes=2, index_head_dim=16,
-                        index_bytes=1, num_pages=64, request_pages=24)
+SMALL = shapes.SMALL  # 3 dense + 4 sparse layers, 64 pages per buffer
 
 
 @dataclass
@@ -83,9 +81,9 @@ class Engine:
 
     broker: Broker
     engine_id: str
-    shape: demo.ModelShape
+    shape: shapes.ModelShape
     segment: SharedSegment
-    placements: list[demo.BufferPlacement]
+    placements: list[shapes.BufferPlacement]
     components: list[int] = field(default_factory=list)
 
     @property
@@ -102,19 +100,19 @@ class Engines:
     def __init__(self) -> None:
         self._made: list[Engine] = []
 
-    async def make(self, broker: Broker, role: str, shape: demo.ModelShape = SMALL,
+    async def make(self, broker: Broker, role: str, shape: shapes.ModelShape = SMALL,
                    components=("MAIN_KV", "MINIMAX_INDEX_K"), main_layout: str = "KV_SPLIT",
                    fill: str = "random", seed: int = 0, session_id: str = "", **topology) -> Engine:
         number = next(_engine_numbers)
-        placements = demo.place_buffers(shape, components, main_layout)
-        segment = SharedSegment.create(demo.pool_size(shape, placements), f"kvbt-{role}")
+        placements = shapes.place_buffers(shape, components, main_layout)
+        segment = SharedSegment.create(shapes.pool_size(shape, placements), f"kvbt-{role}")
         if fill == "random":
-            demo.fill_random(segment.array, np.random.default_rng(seed + number))
+            shapes.fill_random(segment.array, np.random.default_rng(seed + number))
         else:
-            segment.array[:] = demo.CANARY
+            segment.array[:] = shapes.CANARY
         engine_id = f"{role}-{os.getpid()}-{number}/tp0"
-        request = demo.register_request(engine_id, shape, segment, placements, main_layout,
-                                        demo.topology(shape, **topology))
+        request = shapes.register_request(engine_id, shape, segment, placements, main_layout,
+                                        shapes.topology(shape, **topology))
         request.session_id = session_id
         engine = Engine(broker, engine_id, shape, segment, placements,
                         [c.component for c in request.components])
@@ -150,7 +148,7 @@ ALL = [pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K]
 
 
 def expected_after(src: Engine, dst: Engine, before: np.ndarray, components, src_ids, dst_ids) -> np.ndarray:
-    return demo.expected_destination(src.segment.array, before, dst.shape, dst.placements, set(components),
+    return shapes.expected_destination(src.segment.array, before, dst.shape, dst.placements, set(components),
                                      np.asarray(src_ids), np.asarray(dst_ids))
 
 

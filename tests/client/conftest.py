@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kvbroker.launch import BrokerProcess, start_broker
+from kvbroker.tools.launch import BrokerProcess, start_broker
 from kvbroker_client import BrokerClient, ComponentSpec
 from kvbroker_client.tensors import SharedPool
 

@@ -134,7 +134,7 @@ def test_build_context_builds_both_packages(tmp_path):
 
 @pytest.mark.integration
 async def test_healthcheck_passes_against_a_serving_broker_and_fails_after_it_stops(tmp_path):
-    from kvbroker.launch import start_broker
+    from kvbroker.tools.launch import start_broker
 
     socket = f"unix:{tmp_path}/kvbroker.sock"
     image_env = {**env_of(INSTRUCTIONS[: INSTRUCTIONS.index(only("ENTRYPOINT"))]), "KVBROKER_LISTEN": socket}

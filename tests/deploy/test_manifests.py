@@ -182,7 +182,7 @@ def lowered(env: dict[str, str]) -> dict[str, str]:
 
 @pytest.mark.integration
 async def test_a_broker_with_these_settings_answers_the_probes_as_kubelet_asks(docs, tmp_path):
-    from kvbroker.launch import start_broker
+    from kvbroker.tools.launch import start_broker
 
     env = {**settings(docs), "KVBROKER_LISTEN": f"unix:{tmp_path}/kvbroker.sock"}
     process = await start_broker("probes", "--listen", env["KVBROKER_LISTEN"], env=env)

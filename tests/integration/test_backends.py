@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbroker import demo
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
 from kvbroker.planner import Descriptors
 from kvbroker.registry import Region
+from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, expected_after, run_engines_in_child
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # One dense and one sparse layer (five layer buffers), small pages, a pool large enough for 6,000
 # scattered pages: about 30,000 descriptors, far beyond what one engine batch takes.
-FRAGMENTED = demo.ModelShape("fragmented", 1, 1, page_size=2, kv_heads=1, head_dim=8, kv_bytes=2,
+FRAGMENTED = shapes.ModelShape("fragmented", 1, 1, page_size=2, kv_heads=1, head_dim=8, kv_bytes=2,
                              index_head_dim=8, index_bytes=1, num_pages=8192, request_pages=6000)
 
 # What each engine says when it refuses a write, as the backend passes it on.

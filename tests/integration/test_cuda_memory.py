@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from kvbroker import demo
+from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL
@@ -19,7 +19,7 @@ pytestmark = [
 
 def gpu_request(engine_id: str, handle: bytes | None = None, **fields) -> bpb.RegisterEngineRequest:
     """The index component of SMALL; its buffers in one CUDA allocation named by `handle`, or unset."""
-    placements = demo.place_buffers(SMALL, ("MINIMAX_INDEX_K",))
+    placements = shapes.place_buffers(SMALL, ("MINIMAX_INDEX_K",))
 
     def memory(offset: int) -> pb.MemoryRef | None:
         if handle is None:
@@ -27,7 +27,7 @@ def gpu_request(engine_id: str, handle: bytes | None = None, **fields) -> bpb.Re
         return pb.MemoryRef(cuda_ipc=pb.CudaIpcRef(handle=handle, device=0, offset=offset, allocation_size=1 << 30))
 
     return bpb.RegisterEngineRequest(
-        engine_id=engine_id, topology=demo.topology(SMALL),
+        engine_id=engine_id, topology=shapes.topology(SMALL),
         components=[pb.ComponentSpec(
             component=pb.COMPONENT_MINIMAX_INDEX_K, layout=pb.LAYOUT_FLAT, num_pages=SMALL.num_pages,
             layer_buffers=[pb.LayerBuffer(layer_id=p.layer_id, role=p.role, memory=memory(p.offset),

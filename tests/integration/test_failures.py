@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbroker import demo
+from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
@@ -25,7 +25,7 @@ from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open
 pytestmark = pytest.mark.integration
 
 # About 350 MB per request: long enough on loopback that "mid-transfer" is a real window.
-MEDIUM = demo.ModelShape("medium", 3, 4, page_size=16, kv_heads=8, head_dim=128, kv_bytes=2, index_head_dim=128,
+MEDIUM = shapes.ModelShape("medium", 3, 4, page_size=16, kv_heads=8, head_dim=128, kv_bytes=2, index_head_dim=128,
                          index_bytes=1, num_pages=1024, request_pages=768)
 
 

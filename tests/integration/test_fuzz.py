@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvbroker import demo
+from kvbroker.tools import shapes
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
@@ -73,7 +73,7 @@ DOCUMENTED = {
 CALL_TIMEOUT_S = 30.0  # well above the brokers' own bounds below: a call that reaches it hung
 BROKER_FLAGS = ("--transfer-timeout-s", "10", "--peer-rpc-timeout-s", "2", "--unregister-wait-s", "2")
 SCRATCH_SLOTS = 8
-SCRATCH_SLOT = demo.pool_size(SMALL, demo.place_buffers(SMALL))
+SCRATCH_SLOT = shapes.pool_size(SMALL, shapes.place_buffers(SMALL))
 TERMINAL = (pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED)
 
 U32 = st.one_of(st.integers(0, 70), st.sampled_from([127, 128, 2**31 - 1, 2**31, 2**32 - 1]),
@@ -252,9 +252,9 @@ async def run_fuzz(world: World, test) -> None:
 async def check_canary_and_legit_transfer(w: World) -> None:
     """Canary bytes outside what successful transfers wrote; then a real transfer still works."""
     array = w.canary.segment.array
-    touched = np.flatnonzero((array != demo.CANARY) & ~w.written)
+    touched = np.flatnonzero((array != shapes.CANARY) & ~w.written)
     assert touched.size == 0, f"{touched.size} canary bytes changed without a granted transfer, first at {touched[0]}"
-    array[:] = demo.CANARY
+    array[:] = shapes.CANARY
     w.written[:] = False
     request_id = f"legit-{next(w.numbers)}"
     rng = np.random.default_rng(len(request_id))
@@ -266,9 +266,9 @@ async def check_canary_and_legit_transfer(w: World) -> None:
         request_id=request_id, engine_id=w.src.engine_id, peer_address=w.decode.peer_address,
         remote_engine_id=w.canary.engine_id, components=ALL, src_page_ids=src_ids.tolist()), timeout=60)
     assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
-    before = np.full_like(array, demo.CANARY)
+    before = np.full_like(array, shapes.CANARY)
     assert_bytes(w.canary, expected_after(w.src, w.canary, before, ALL, src_ids, dst_ids))
-    array[:] = demo.CANARY
+    array[:] = shapes.CANARY
 
 
 # -- generic mutation of any message, driven by its descriptor ---------------------------------------
@@ -350,9 +350,9 @@ def register_seed(data, w: World, segment: SharedSegment | None = None,
     drawn slot, unless told)."""
     names = data.draw(st.sampled_from([("MAIN_KV", "MINIMAX_INDEX_K"), ("MAIN_KV",), ("MINIMAX_INDEX_K",)]))
     layout = data.draw(st.sampled_from(["KV_SPLIT", "FLAT"]))
-    placements = demo.place_buffers(SMALL, names, layout)
+    placements = shapes.place_buffers(SMALL, names, layout)
     engine_id = f"fuzz-{next(w.numbers)}/tp0"
-    request = demo.register_request(engine_id, SMALL, segment or w.scratch, placements, layout)
+    request = shapes.register_request(engine_id, SMALL, segment or w.scratch, placements, layout)
     base = (data.draw(st.integers(0, SCRATCH_SLOTS - 1)) if slot is None else slot) * SCRATCH_SLOT
     for component in request.components:
         for buffer in component.layer_buffers:

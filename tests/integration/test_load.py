@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbroker import demo
+from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, SMALL, Broker, Engine, Engines, assert_bytes, close_broker, open_broker
@@ -99,8 +99,8 @@ async def run_round(pairs: list[tuple[Engine, Engine]], number: int) -> None:
     rng = np.random.default_rng(number)
     requests, cancelled, ungranted = [], [], []
     for p, (src, dst) in enumerate(pairs):
-        demo.fill_random(src.segment.array, rng)
-        dst.segment.array[:] = demo.CANARY
+        shapes.fill_random(src.segment.array, rng)
+        dst.segment.array[:] = shapes.CANARY
         dst_pages = rng.permutation(LOAD.num_pages).reshape(REQUESTS_PER_PAIR, LOAD.request_pages)
         for i in range(REQUESTS_PER_PAIR):
             components = COMPONENT_SETS[int(rng.integers(len(COMPONENT_SETS)))]
@@ -124,10 +124,10 @@ async def run_round(pairs: list[tuple[Engine, Engine]], number: int) -> None:
         assert seen[-1] == pb.TRANSFER_STATE_SUCCEEDED, seen
 
     for src, dst in pairs:
-        expected = np.full_like(dst.segment.array, demo.CANARY)
+        expected = np.full_like(dst.segment.array, shapes.CANARY)
         for r in requests:
             if r.dst is dst:
-                expected = demo.expected_destination(src.segment.array, expected, LOAD, dst.placements,
+                expected = shapes.expected_destination(src.segment.array, expected, LOAD, dst.placements,
                                                      set(r.components), r.src_ids, r.dst_ids)
         assert_bytes(dst, expected)
 

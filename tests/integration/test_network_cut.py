@@ -14,7 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbroker.launch import start_broker
+from kvbroker.tools.launch import start_broker
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import Broker, close_broker

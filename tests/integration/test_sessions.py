@@ -82,7 +82,7 @@ async def test_a_server_that_dies_loses_its_engines(brokers, engines, request_id
     watcher = await engines.make(broker, "decode", fill="canary")  # not held: it only carries the probe
     script = textwrap.dedent(f"""
         import asyncio, grpc, sys
-        from kvbroker import demo
+        from kvbroker.tools import shapes
         from kvbroker_client.shm import SharedSegment
         from kvbroker_client.v1 import broker_service_pb2 as bpb, broker_service_pb2_grpc as bpb_grpc
         from tests.conftest import SMALL
@@ -91,9 +91,9 @@ async def test_a_server_that_dies_loses_its_engines(brokers, engines, request_id
             stub = bpb_grpc.BrokerServiceStub(grpc.aio.insecure_channel({broker.process.listen!r}))
             call = stub.OpenSession(bpb.OpenSessionRequest(holder="doomed"))
             session_id = (await call.read()).session_id
-            placements = demo.place_buffers(SMALL)
-            segment = SharedSegment.create(demo.pool_size(SMALL, placements), "kvbt-doomed")
-            request = demo.register_request("doomed/tp0-{request_id}", SMALL, segment, placements)
+            placements = shapes.place_buffers(SMALL)
+            segment = SharedSegment.create(shapes.pool_size(SMALL, placements), "kvbt-doomed")
+            request = shapes.register_request("doomed/tp0-{request_id}", SMALL, segment, placements)
             request.session_id = session_id
             await stub.RegisterEngine(request, timeout=30)
             segment.unlink()  # the mapping keeps the memory; nothing is left in /dev/shm after the kill
@@ -164,9 +164,9 @@ async def test_an_engine_unregistered_by_its_server_is_not_released_twice(broker
 
 
 def engines_request(engine) -> bpb.RegisterEngineRequest:
-    from kvbroker import demo
+    from kvbroker.tools import shapes
 
-    return demo.register_request(engine.engine_id, engine.shape, engine.segment, engine.placements)
+    return shapes.register_request(engine.engine_id, engine.shape, engine.segment, engine.placements)
 
 
 async def test_shutdown_ends_session_streams_cleanly(backend, engines):

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker import convert, demo
+from kvbroker import convert
 from kvbroker.memory import POOL_ALIGNMENT
 from kvbroker.model import BrokerAllocation, ComponentKind, Layout
 from kvbroker.model import CudaIpcRef as BrokerCudaIpcRef
+from kvbroker.tools import shapes
 from kvbroker_client.model import CudaIpcRef
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 
@@ -68,27 +69,27 @@ def test_broker_pool_placements_follow_the_registration_order_aligned():
     shape = gpu_check.check_shape(4)
     placements, size = gpu_check.broker_pool_placements(shape)
     assert [(p.component, p.layer_id, p.role) for p in placements] == [
-        (p.component, p.layer_id, p.role) for p in demo.place_buffers(shape)]
+        (p.component, p.layer_id, p.role) for p in shapes.place_buffers(shape)]
     assert all(p.offset % POOL_ALIGNMENT == 0 for p in placements)
     assert size >= placements[-1].offset + shape.num_pages * placements[-1].item_len
 
 
 def test_server_owned_request_names_each_buffer_by_its_cuda_ref():
     shape = gpu_check.check_shape(1)
-    placements = demo.place_buffers(shape)
-    refs = [CudaIpcRef(bytes(range(1, 65)), 0, p.offset, demo.pool_size(shape, placements)) for p in placements]
+    placements = shapes.place_buffers(shape)
+    refs = [CudaIpcRef(bytes(range(1, 65)), 0, p.offset, shapes.pool_size(shape, placements)) for p in placements]
     request = gpu_check.register_request("prefill/tp0", shape, placements, refs, device=0)
     spec = convert.engine_spec_in(bpb.RegisterEngineRequest.FromString(request.SerializeToString()))
     assert spec.broker_allocation is None
     assert [c.kind for c in spec.components] == [ComponentKind.MAIN_KV, ComponentKind.MINIMAX_INDEX_K]
     assert spec.components[0].layout is Layout.KV_SPLIT and len(spec.components[1].layer_buffers) == 60
     first = spec.components[0].layer_buffers[0]
-    assert first.memory == BrokerCudaIpcRef(bytes(range(1, 65)), 0, 0, demo.pool_size(shape, placements))
+    assert first.memory == BrokerCudaIpcRef(bytes(range(1, 65)), 0, 0, shapes.pool_size(shape, placements))
 
 
 def test_broker_owned_request_leaves_memory_unset_and_names_the_device():
     shape = gpu_check.check_shape(1)
-    request = gpu_check.register_request("decode/tp0", shape, demo.place_buffers(shape), None, device=1)
+    request = gpu_check.register_request("decode/tp0", shape, shapes.place_buffers(shape), None, device=1)
     spec = convert.engine_spec_in(request)
     assert spec.broker_allocation == BrokerAllocation(1)
     assert all(b.memory is None for c in spec.components for b in c.layer_buffers)

@@ -14,7 +14,7 @@ Sections, each producing plain dicts for the JSON report:
 - registration: RegisterEngine / UnregisterEngine of a 64-layer engine with 3 layer buffers a layer.
 
 `run` drives it for the CLI; `TARGETS` are judged in `judge` and printed beside the figures.
-Children run as `python -m kvbroker.bench direct|control` and answer in JSON lines.
+Children run as `python -m kvbroker.tools.bench direct|control` and answer in JSON lines.
 """
 
 from __future__ import annotations
@@ -43,20 +43,22 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbroker import demo
+from kvbroker.tools import shapes
+from kvbroker.tools.shapes import (
+    ALL,
+    BENCH_CONTROL,
+    BENCH_ENGINE,
+    MiB,
+    engine_buffers,
+    fill_random,
+    moved_pages_match,
+    page_lists,
+    sized,
+)
 
-MiB = 1 << 20
-ALL = (1, 2)  # pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K: one page list carries both
 PATTERNS = ("contiguous", "runs16", "scattered")
 LOOPS = ("uvloop", "asyncio")
 
-# MiniMax-M3-like, per attention-TP rank: 64 layers, each with MAIN_KV as K and V (bf16, one KV head
-# of 128) and the K-only index MINIMAX_INDEX_K (fp8, 128 wide); 16-token pages. 192 layer buffers,
-# 4 KiB (K, V) and 2 KiB (index) per page and buffer, 640 KiB per page over the whole model.
-ENGINE = demo.ModelShape("m3-bench", dense_layers=0, sparse_layers=64, page_size=16, kv_heads=1, head_dim=128,
-                         kv_bytes=2, index_head_dim=128, index_bytes=1, num_pages=1024, request_pages=1)
-# The control plane moves one page of a one-layer engine (3 layer buffers, 10 KiB): latency, not bytes.
-CONTROL = dataclasses.replace(ENGINE, name="control", sparse_layers=1, num_pages=256)
 
 
 @dataclass(frozen=True)
@@ -106,75 +108,9 @@ TARGETS = {
 RATIO_FROM_MIB = 64
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="small sizes, few iterations (under a minute)")
-    parser.add_argument("--json", action="store_true",
-                        help="print the JSON report on stdout (the table goes to stderr)")
-    parser.add_argument("--out", type=Path, help="also write the JSON report to this file")
-    parser.add_argument("--backends", default="nixl,mooncake",
-                        help="comma-separated transfer engines; those not installed are skipped")
-    parser.add_argument("--sections", default="data,control,planner,registration",
-                        help="comma-separated subset of data,control,planner,registration")
-    parser.add_argument("--sizes", metavar="MIB,...",
-                        help="data-plane request sizes in MiB, comma-separated (overrides the plan)")
-    parser.add_argument("--repeats", type=int, help="timed runs per data-plane case (median reported)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-# -- page lists and shapes --------------------------------------------------------------------------
-def sized(nbytes: int) -> tuple[demo.ModelShape, int]:
-    """The engine with a pool just large enough for a request of at least `nbytes`; and its page count."""
-    pages = max(1, math.ceil(nbytes / ENGINE.request_bytes(1)))
-    return dataclasses.replace(ENGINE, num_pages=math.ceil(pages / 16) * 16, request_pages=pages), pages
-
-
-def page_lists(pattern: str, pages: int, pool: int,
-               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Source and destination page ids: one run, runs of 16 in shuffled order, or every page on its own."""
-    if pattern == "contiguous":
-        ids = np.arange(pages, dtype=np.int64)
-        return ids, ids.copy()
-    if pattern == "runs16":
-        def one() -> np.ndarray:
-            blocks = rng.permutation(pool // 16).astype(np.int64)
-            return (blocks[:, None] * 16 + np.arange(16)).ravel()[:pages]
-        return one(), one()
-    if pattern == "scattered":
-        return tuple(rng.permutation(pool)[:pages].astype(np.int64) for _ in range(2))
-    raise ValueError(f"unknown pattern {pattern!r}")
-
-
-def engine_buffers(shape: demo.ModelShape, placements, base: int, components=ALL):
-    """Layer buffers as the broker orders them for a transfer: by component, then (layer, role)."""
-    from kvbroker.model import BufferLayout, Role
-
-    out = []
-    for kind in components:
-        mine = sorted((p for p in placements if p.component == kind), key=lambda p: (p.layer_id, p.role))
-        out += [BufferLayout(p.layer_id, Role(p.role), base + p.offset, shape.num_pages * p.item_len,
-                             p.item_len) for p in mine]
-    return out
-
-
-def fill_random(array: np.ndarray, rng: np.random.Generator, chunk: int = 64 * MiB) -> None:
-    for start in range(0, array.size, chunk):  # in chunks: no temporary as large as the pool
-        demo.fill_random(array[start:start + chunk], rng)
-
-
-def moved_pages_match(shape: demo.ModelShape, placements, src: np.ndarray, dst: np.ndarray,
-                      src_ids: np.ndarray, dst_ids: np.ndarray) -> bool:
-    for p in placements:
-        span = shape.num_pages * p.item_len
-        s = src[p.offset:p.offset + span].reshape(shape.num_pages, p.item_len)
-        d = dst[p.offset:p.offset + span].reshape(shape.num_pages, p.item_len)
-        if not np.array_equal(d[dst_ids], s[src_ids]):
-            return False
-    return True
-
-
 # -- children ---------------------------------------------------------------------------------------
 class Child:
-    """A `python -m kvbroker.bench ...` process: one JSON line in, one JSON line out."""
+    """A `python -m kvbroker.tools.bench ...` process: one JSON line in, one JSON line out."""
 
     def __init__(self, process: asyncio.subprocess.Process, what: str) -> None:
         self.process = process
@@ -186,7 +122,7 @@ class Child:
     @classmethod
     async def start(cls, *args: str) -> Child:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvbroker.bench", *args, stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "kvbroker.tools.bench", *args, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=64 * MiB,
             env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")})
         return cls(process, " ".join(args[:1]))
@@ -237,8 +173,8 @@ async def _direct_setup(command: dict, sender, receiver, state: dict) -> dict:
     from kvbroker.registry import Region
     from kvbroker_client.shm import SharedSegment
 
-    shape = demo.ModelShape(**command["shape"])
-    placements = demo.place_buffers(shape)
+    shape = shapes.ModelShape(**command["shape"])
+    placements = shapes.place_buffers(shape)
     segments = {side: SharedSegment(name, command["size"], create=False)
                 for side, name in command["segments"].items()}
     state.update(segments=list(segments.values()), handles=[])
@@ -448,7 +384,7 @@ def _child_main(argv: Sequence[str]) -> None:
         out.write(json.dumps({"ok": True, **report}) + "\n")
         out.flush()
     else:
-        raise SystemExit(f"usage: python -m kvbroker.bench direct BACKEND | control CONFIG (got {role!r})")
+        raise SystemExit(f"usage: python -m kvbroker.tools.bench direct BACKEND | control CONFIG (got {role!r})")
 
 
 # -- sections ---------------------------------------------------------------------------------------
@@ -477,7 +413,7 @@ class Side:
 
 
 async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
-    from kvbroker.launch import start_broker
+    from kvbroker.tools.launch import start_broker
     from kvbroker_client.client import BrokerClient
 
     flags = ("--backend", backend, "--log-level", "WARNING", "--transfer-timeout-s", str(timeout))
@@ -511,8 +447,8 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
     cases, memcpy = [], []
     for size_mib in plan.sizes_mib:
         shape, pages = sized(size_mib * MiB)
-        placements = demo.place_buffers(shape)
-        size = demo.pool_size(shape, placements)
+        placements = shapes.place_buffers(shape)
+        size = shapes.pool_size(shape, placements)
         say(f"data plane: {size_mib} MiB ({pages} pages, pool {size / MiB:.0f} MiB per side)")
         with SharedSegment.create(size, "kvb-bench-src") as src_seg, \
                 SharedSegment.create(size, "kvb-bench-dst") as dst_seg:
@@ -524,7 +460,7 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                 engines = (f"bench-src-{size_mib}", f"bench-dst-{size_mib}")
                 for client, engine_id, seg in ((side.p_client, engines[0], src_seg),
                                                (side.d_client, engines[1], dst_seg)):
-                    request = demo.register_request(engine_id, shape, seg, placements)
+                    request = shapes.register_request(engine_id, shape, seg, placements)
                     await client.register_engine(engine_id, request.topology, list(request.components),
                                                  timeout=120)
                 common = {"shape": dataclasses.asdict(shape), "size": size}
@@ -548,14 +484,14 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                         await child.ask(op="teardown")
                     for client, engine_id in ((side.p_client, engines[0]), (side.d_client, engines[1])):
                         await client.unregister_engine(engine_id, timeout=120)
-    per_page = {"K": ENGINE.kv_item_len, "V": ENGINE.kv_item_len, "INDEX_K": ENGINE.index_item_len}
+    per_page = {"K": BENCH_ENGINE.kv_item_len, "V": BENCH_ENGINE.kv_item_len, "INDEX_K": BENCH_ENGINE.index_item_len}
     return {
-        "shape": {"name": ENGINE.name, "layers": ENGINE.layers, "dense_layers": ENGINE.dense_layers,
-                  "sparse_layers": ENGINE.sparse_layers, "page_size_tokens": ENGINE.page_size,
+        "shape": {"name": BENCH_ENGINE.name, "layers": BENCH_ENGINE.layers, "dense_layers": BENCH_ENGINE.dense_layers,
+                  "sparse_layers": BENCH_ENGINE.sparse_layers, "page_size_tokens": BENCH_ENGINE.page_size,
                   "components": ["MAIN_KV (KV_SPLIT, bf16, 1 KV head x 128)",
                                  "MINIMAX_INDEX_K (FLAT, fp8, 128) on every sparse layer"],
-                  "layer_buffers": len(demo.place_buffers(ENGINE)), "item_len_bytes": per_page,
-                  "bytes_per_page": ENGINE.request_bytes(1)},
+                  "layer_buffers": len(shapes.place_buffers(BENCH_ENGINE)), "item_len_bytes": per_page,
+                  "bytes_per_page": BENCH_ENGINE.request_bytes(1)},
         "patterns": {"contiguous": "one run", "runs16": "runs of 16 pages, shuffled, both sides",
                      "scattered": "every page its own run (random permutations)"},
         "timing": {"broker": "client-observed BrokerClient.transfer (grant issued beforehand)",
@@ -631,15 +567,15 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
     from kvbroker_client.shm import SharedSegment
 
     runs, floor = [], []
-    placements = demo.place_buffers(CONTROL)
-    size = demo.pool_size(CONTROL, placements)
+    placements = shapes.place_buffers(BENCH_CONTROL)
+    size = shapes.pool_size(BENCH_CONTROL, placements)
     for side in sides:
         with SharedSegment.create(size, "kvb-bench-cp-src") as src_seg, \
                 SharedSegment.create(size, "kvb-bench-cp-dst") as dst_seg:
             engines = ("bench-cp-src", "bench-cp-dst")
             for client, engine_id, seg in ((side.p_client, engines[0], src_seg),
                                            (side.d_client, engines[1], dst_seg)):
-                request = demo.register_request(engine_id, CONTROL, seg, placements)
+                request = shapes.register_request(engine_id, BENCH_CONTROL, seg, placements)
                 await client.register_engine(engine_id, request.topology, list(request.components),
                                              timeout=60)
             try:
@@ -671,8 +607,8 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                 for client, engine_id in ((side.p_client, engines[0]), (side.d_client, engines[1])):
                     await client.unregister_engine(engine_id, timeout=60)
     return {
-        "engine": {"layers": CONTROL.layers, "layer_buffers": len(placements),
-                   "page_bytes": CONTROL.request_bytes(1), "components": ["MAIN_KV", "MINIMAX_INDEX_K"]},
+        "engine": {"layers": BENCH_CONTROL.layers, "layer_buffers": len(placements),
+                   "page_bytes": BENCH_CONTROL.request_bytes(1), "components": ["MAIN_KV", "MINIMAX_INDEX_K"]},
         "request": "ExpectTransfer on the decode broker, then Transfer of 1 page on the prefill broker",
         "varied": "the client's event loop (uvloop or asyncio's default), in its own process; "
                   "both brokers always run uvloop (kvbroker serve)",
@@ -732,11 +668,11 @@ def planner(plan: Plan, rng: np.random.Generator, say) -> dict:
     from kvbroker.model import BufferLayout, Role
     from kvbroker.planner import plan_runs
 
-    one_src = [BufferLayout(0, Role.K, 1 << 40, 1 << 36, ENGINE.kv_item_len)]
-    one_dst = [BufferLayout(0, Role.K, 1 << 41, 1 << 36, ENGINE.kv_item_len)]
-    placements = demo.place_buffers(ENGINE)
-    full_src = engine_buffers(ENGINE, placements, 1 << 40)
-    full_dst = engine_buffers(ENGINE, placements, 1 << 42)
+    one_src = [BufferLayout(0, Role.K, 1 << 40, 1 << 36, BENCH_ENGINE.kv_item_len)]
+    one_dst = [BufferLayout(0, Role.K, 1 << 41, 1 << 36, BENCH_ENGINE.kv_item_len)]
+    placements = shapes.place_buffers(BENCH_ENGINE)
+    full_src = engine_buffers(BENCH_ENGINE, placements, 1 << 40)
+    full_dst = engine_buffers(BENCH_ENGINE, placements, 1 << 42)
     full_key = f"plan_build_{len(full_src)}buffers_ids_per_s"
     rows = []
     for n in plan.planner_sizes:
@@ -767,16 +703,16 @@ def planner(plan: Plan, rng: np.random.Generator, say) -> dict:
 async def registration(sides: list[Side], plan: Plan, say) -> dict:
     from kvbroker_client.shm import SharedSegment
 
-    shape = dataclasses.replace(ENGINE, num_pages=plan.registration_pages)
-    placements = demo.place_buffers(shape)
-    size = demo.pool_size(shape, placements)
+    shape = dataclasses.replace(BENCH_ENGINE, num_pages=plan.registration_pages)
+    placements = shapes.place_buffers(shape)
+    size = shapes.pool_size(shape, placements)
     rows = []
     for side in sides:
         register_s, unregister_s = [], []
         with SharedSegment.create(size, "kvb-bench-reg") as seg:  # never touched: pages stay unallocated
             for rep in range(plan.registration_repeats):
                 engine_id = f"bench-reg-{rep}"
-                request = demo.register_request(engine_id, shape, seg, placements)
+                request = shapes.register_request(engine_id, shape, seg, placements)
                 started = time.perf_counter()
                 await side.p_client.register_engine(engine_id, request.topology, list(request.components),
                                                     timeout=120)

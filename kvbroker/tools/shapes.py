@@ -1,27 +1,31 @@
-"""`kvbroker demo`: a real prefill → decode transfer through two brokers, verified to the byte.
+"""Model shapes and pools for the tooling and the tests: one place for the demo's, the bench's and
+the suite's MiniMax-M3-like engines, and for laying them out in shared memory.
 
-Plays both inference servers: one shared-memory pool per side holding a MiniMax-M3-shaped engine
-(MAIN_KV as K and V per layer on every layer, MINIMAX_INDEX_K on the sparse layers), registers
-each with its own broker process, grants a fragmented page list on the decode side, transfers it
-from the prefill side, then checks every destination page and every canary byte around them.
-The shape helpers here are shared with the benchmarks and the integration tests.
+- `ModelShape` and its presets: `PRESETS` (the demo's toy and large), `SMALL` (the tests'),
+  `BENCH_ENGINE` and `BENCH_CONTROL` (the bench's data-plane and control-plane engines);
+- a pool: `place_buffers` (every layer buffer back to back), `pool_size`, `fill_random`, `CANARY`;
+- registration: `topology`, `register_request` (a RegisterEngineRequest over a shared segment);
+- page lists: `fragmented_pages` (demo, tests), `page_lists` and `sized` (bench);
+- checks: `expected_destination` (the destination pool after a transfer), `moved_pages_match`;
+- `engine_buffers`: a pool's layer buffers as the broker orders them, for driving a Backend directly.
+
+Callers: kvbroker/tools (demo, bench), tests/, benchmarks/gpu_check.py. The daemon never imports it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
+import dataclasses
+import math
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 
-from kvbroker.launch import start_broker
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
+
+MiB = 1 << 20
+ALL = (1, 2)  # pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K: one page list carries both
 
 CANARY = 0xA5
 
@@ -73,6 +77,18 @@ PRESETS = {
     "large": ModelShape("large", 3, 4, page_size=64, kv_heads=8, head_dim=128, kv_bytes=2, index_head_dim=128,
                         index_bytes=1, num_pages=1024, request_pages=768),
 }
+
+
+# The tests' small MiniMax-M3-like shape: 3 dense + 4 sparse layers, 64 pages per buffer.
+SMALL = ModelShape("small", 3, 4, page_size=4, kv_heads=1, head_dim=32, kv_bytes=2, index_head_dim=16,
+                   index_bytes=1, num_pages=64, request_pages=24)
+# The bench's MiniMax-M3-like engine, per attention-TP rank: 64 layers, each with MAIN_KV as K and V
+# (bf16, one KV head of 128) and the K-only index MINIMAX_INDEX_K (fp8, 128 wide); 16-token pages.
+# 192 layer buffers, 4 KiB (K, V) and 2 KiB (index) per page and buffer, 640 KiB per page over the model.
+BENCH_ENGINE = ModelShape("m3-bench", dense_layers=0, sparse_layers=64, page_size=16, kv_heads=1, head_dim=128,
+                          kv_bytes=2, index_head_dim=128, index_bytes=1, num_pages=1024, request_pages=1)
+# The bench's control plane moves one page of a one-layer engine (3 layer buffers, 10 KiB): latency, not bytes.
+BENCH_CONTROL = dataclasses.replace(BENCH_ENGINE, name="control", sparse_layers=1, num_pages=256)
 
 
 @dataclass(frozen=True)
@@ -166,75 +182,58 @@ def expected_destination(src: np.ndarray, dst_before: np.ndarray, shape: ModelSh
     return expected
 
 
-def fill_random(array: np.ndarray, rng: np.random.Generator) -> None:
+def fill_random(array: np.ndarray, rng: np.random.Generator, chunk: int = 64 * MiB) -> None:
+    """Random bytes in `array`, in chunks: no temporary as large as the pool."""
+    for start in range(0, array.size, chunk):
+        _fill_chunk(array[start:start + chunk], rng)
+
+
+def _fill_chunk(array: np.ndarray, rng: np.random.Generator) -> None:
     words = array[: array.size // 8 * 8].view(np.uint64)
     words[:] = rng.integers(0, 2**64, size=words.size, dtype=np.uint64)
     array[words.size * 8:] = rng.integers(0, 256, size=array.size - words.size * 8, dtype=np.uint8)
 
 
-async def run(preset: str, backend: str, seed: int, as_json: bool) -> int:
-    shape = PRESETS[preset]
-    rng = np.random.default_rng(seed)
-    placements = place_buffers(shape)
-    size = pool_size(shape, placements)
-    prefill = decode = None
-    with SharedSegment.create(size, "kvb-prefill") as src_seg, SharedSegment.create(size, "kvb-decode") as dst_seg:
-        try:
-            prefill, decode = await asyncio.gather(
-                start_broker("prefill", "--backend", backend, "--log-level", "WARNING"),
-                start_broker("decode", "--backend", backend, "--log-level", "WARNING"),
-            )
-            fill_random(src_seg.array, rng)
-            dst_seg.array[:] = CANARY
-            before = dst_seg.array.copy()
-            src_ids = fragmented_pages(rng, shape.num_pages, shape.request_pages)
-            dst_ids = fragmented_pages(rng, shape.num_pages, shape.request_pages)
-            async with grpc.aio.insecure_channel(prefill.listen) as p_chan, \
-                    grpc.aio.insecure_channel(decode.listen) as d_chan:
-                p_stub, d_stub = bpb_grpc.BrokerServiceStub(p_chan), bpb_grpc.BrokerServiceStub(d_chan)
-                await p_stub.RegisterEngine(register_request("prefill-0/tp0", shape, src_seg, placements), timeout=30)
-                await d_stub.RegisterEngine(register_request("decode-0/tp0", shape, dst_seg, placements), timeout=30)
-                components = [pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K]
-                await d_stub.ExpectTransfer(bpb.ExpectTransferRequest(
-                    request_id="demo-1", engine_id="decode-0/tp0", components=components,
-                    dst_page_ids=dst_ids.tolist(), expiry_ms=60_000), timeout=10)
-                watch = d_stub.WatchTransfer(bpb.WatchTransferRequest(engine_id="decode-0/tp0",
-                                                                      request_id="demo-1"), timeout=120)
-                started = time.perf_counter()
-                reply = await p_stub.Transfer(bpb.TransferRequest(
-                    request_id="demo-1", engine_id="prefill-0/tp0", peer_address=decode.peer_listen,
-                    remote_engine_id="decode-0/tp0", components=components, src_page_ids=src_ids.tolist()),
-                    timeout=120)
-                elapsed = time.perf_counter() - started
-                states = [pb.TransferState.Name(update.status.state) async for update in watch]
-            expected = expected_destination(src_seg.array, before, shape, placements, set(components),
-                                            src_ids, dst_ids)
-            mismatched = int(np.count_nonzero(dst_seg.array != expected))
-        finally:
-            for broker in (prefill, decode):
-                if broker is not None:
-                    await broker.stop()
-    status = reply.status
-    figures = {
-        "preset": shape.name, "backend": backend,
-        "layers": {"dense": shape.dense_layers, "sparse": shape.sparse_layers}, "page_size": shape.page_size,
-        "components": ["MAIN_KV (KV_SPLIT)", "MINIMAX_INDEX_K (FLAT)"],
-        "pages": status.pages, "runs": status.runs, "layer_buffers": len(placements),
-        "descriptors": status.runs * len(placements), "bytes": status.bytes,
-        "seconds": round(elapsed, 6), "gb_per_s": round(status.bytes / elapsed / 1e9, 3),
-        "broker_duration_us": status.duration_us, "receiver_states": states,
-        "mismatched_bytes": mismatched, "verified": mismatched == 0,
-    }
-    if as_json:
-        print(json.dumps(figures))
-    else:
-        print(f"kvbroker demo ({shape.name}, {backend}): {shape.dense_layers} dense + {shape.sparse_layers} sparse "
-              f"layers, page_size {shape.page_size}, MAIN_KV + MINIMAX_INDEX_K")
-        print(f"  moved     {status.pages} pages in {status.runs} runs x {len(placements)} layer buffers "
-              f"= {figures['descriptors']} descriptors")
-        print(f"  bytes     {status.bytes:,} in {elapsed * 1e3:.2f} ms  ({figures['gb_per_s']} GB/s, "
-              f"client-observed Transfer)")
-        print(f"  receiver  {' -> '.join(states)}")
-        print(f"  verified  {'every destination page and canary matches' if mismatched == 0 else 'MISMATCH'}"
-              f" ({mismatched} bytes differ)")
-    return 0 if mismatched == 0 and states[-1:] == ["TRANSFER_STATE_SUCCEEDED"] else 1
+def sized(nbytes: int) -> tuple[ModelShape, int]:
+    """The bench engine with a pool just large enough for a request of at least `nbytes`; and its page count."""
+    pages = max(1, math.ceil(nbytes / BENCH_ENGINE.request_bytes(1)))
+    return dataclasses.replace(BENCH_ENGINE, num_pages=math.ceil(pages / 16) * 16, request_pages=pages), pages
+
+
+def page_lists(pattern: str, pages: int, pool: int,
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination page ids: one run, runs of 16 in shuffled order, or every page on its own."""
+    if pattern == "contiguous":
+        ids = np.arange(pages, dtype=np.int64)
+        return ids, ids.copy()
+    if pattern == "runs16":
+        def one() -> np.ndarray:
+            blocks = rng.permutation(pool // 16).astype(np.int64)
+            return (blocks[:, None] * 16 + np.arange(16)).ravel()[:pages]
+        return one(), one()
+    if pattern == "scattered":
+        return tuple(rng.permutation(pool)[:pages].astype(np.int64) for _ in range(2))
+    raise ValueError(f"unknown pattern {pattern!r}")
+
+
+def engine_buffers(shape: ModelShape, placements, base: int, components=ALL):
+    """Layer buffers as the broker orders them for a transfer: by component, then (layer, role)."""
+    from kvbroker.model import BufferLayout, Role
+
+    out = []
+    for kind in components:
+        mine = sorted((p for p in placements if p.component == kind), key=lambda p: (p.layer_id, p.role))
+        out += [BufferLayout(p.layer_id, Role(p.role), base + p.offset, shape.num_pages * p.item_len,
+                             p.item_len) for p in mine]
+    return out
+
+
+def moved_pages_match(shape: ModelShape, placements, src: np.ndarray, dst: np.ndarray,
+                      src_ids: np.ndarray, dst_ids: np.ndarray) -> bool:
+    for p in placements:
+        span = shape.num_pages * p.item_len
+        s = src[p.offset:p.offset + span].reshape(shape.num_pages, p.item_len)
+        d = dst[p.offset:p.offset + span].reshape(shape.num_pages, p.item_len)
+        if not np.array_equal(d[dst_ids], s[src_ids]):
+            return False
+    return True
