@@ -13,41 +13,36 @@ Sections, each producing plain dicts for the JSON report:
 - planner: page ids/s of plan_runs + build_descriptors, against a naive Python loop.
 - registration: RegisterEngine / UnregisterEngine of a 64-layer engine with 3 layer buffers a layer.
 
-`run` drives it for the CLI; `TARGETS` are judged in `judge` and printed beside the figures.
-Children run as `python -m kvbroker.tools.bench direct|control` and answer in JSON lines.
+`run` drives it for the CLI (its arguments are declared in cli.py); the children each section
+starts are bench_children.py; the targets, their verdicts and the table are bench_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import dataclasses
-import datetime
 import importlib.metadata
 import importlib.util
 import json
 import math
-import operator
-import os
-import platform
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from kvbroker.tools import shapes
+from kvbroker.tools.bench_children import Child
+from kvbroker.tools.bench_report import judge, machine, render
 from kvbroker.tools.shapes import (
     ALL,
     BENCH_CONTROL,
     BENCH_ENGINE,
+    PATTERNS,
     MiB,
     engine_buffers,
     fill_random,
@@ -56,9 +51,7 @@ from kvbroker.tools.shapes import (
     sized,
 )
 
-PATTERNS = ("contiguous", "runs16", "scattered")
 LOOPS = ("uvloop", "asyncio")
-
 
 
 @dataclass(frozen=True)
@@ -85,309 +78,6 @@ QUICK = Plan(sizes_mib=(1, 4), repeats=2, concurrency=(1, 16), control_seconds=0
              registration_repeats=1, registration_pages=16, op_timeout_s=60.0)
 
 
-@dataclass(frozen=True)
-class Target:
-    key: str
-    text: str
-    threshold: float
-    higher_is_better: bool = True
-
-    def met(self, figure: float | None) -> bool | None:
-        if figure is None:
-            return None
-        return figure >= self.threshold if self.higher_is_better else figure <= self.threshold
-
-
-TARGETS = {
-    "ratio": Target("ratio", "broker/direct >= 0.95 at >= 64 MiB", 0.95),
-    "runs16": Target("runs16", "runs-of-16 >= 0.8 x contiguous (>= 64 MiB)", 0.8),
-    "p50": Target("p50", "one-page Transfer p50 <= 1 ms", 1.0, higher_is_better=False),
-    "rps": Target("rps", ">= 2000 req/s at concurrency 128", 2000.0),
-    "planner": Target("planner", "planner >= 50M page ids/s at 10^7", 50e6),
-}
-RATIO_FROM_MIB = 64
-
-
-# -- children ---------------------------------------------------------------------------------------
-class Child:
-    """A `python -m kvbroker.tools.bench ...` process: one JSON line in, one JSON line out."""
-
-    def __init__(self, process: asyncio.subprocess.Process, what: str) -> None:
-        self.process = process
-        self.what = what
-        self.timeout = 600.0
-        self.stderr: list[str] = []
-        self._drain = asyncio.create_task(self._read_stderr())
-
-    @classmethod
-    async def start(cls, *args: str) -> Child:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvbroker.tools.bench", *args, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=64 * MiB,
-            env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")})
-        return cls(process, " ".join(args[:1]))
-
-    async def _read_stderr(self) -> None:
-        while line := await self.process.stderr.readline():
-            self.stderr = (self.stderr + [line.decode(errors="replace").rstrip()])[-40:]
-
-    async def reply(self, timeout: float) -> dict:
-        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
-        if not line:
-            await asyncio.wait([self._drain], timeout=5)
-            raise RuntimeError(f"bench child {self.what} exited:\n" + "\n".join(self.stderr[-20:]))
-        answer = json.loads(line)
-        if not answer.get("ok", True):
-            raise RuntimeError(f"bench child {self.what}: {answer['error']}")
-        return answer
-
-    async def ask(self, **command) -> dict:
-        self.process.stdin.write((json.dumps(command) + "\n").encode())
-        await self.process.stdin.drain()
-        return await self.reply(self.timeout)
-
-    async def stop(self) -> None:
-        if self.process.returncode is None:
-            try:
-                self.process.stdin.close()
-                await asyncio.wait_for(self.process.wait(), 30)
-            except (TimeoutError, ConnectionError):
-                self.process.kill()
-                await self.process.wait()
-        self._drain.cancel()
-
-
-def _protocol_stream():
-    """stdout for our JSON lines only: whatever a library prints goes to stderr instead."""
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    return out
-
-
-async def _direct_setup(command: dict, sender, receiver, state: dict) -> dict:
-    """Map the pools and register the sides this child plays: both (one process), or one of two.
-
-    A receiver-only child answers with its metadata and its destination pool's address, which the
-    parent hands to a sender-only child in another process.
-    """
-    from kvbroker.registry import Region
-    from kvbroker_client.shm import SharedSegment
-
-    shape = shapes.ModelShape(**command["shape"])
-    placements = shapes.place_buffers(shape)
-    segments = {side: SharedSegment(name, command["size"], create=False)
-                for side, name in command["segments"].items()}
-    state.update(segments=list(segments.values()), handles=[])
-    bases = {side: seg.array.ctypes.data for side, seg in segments.items()}
-    if "dst" not in bases:
-        bases["dst"] = command["peer"]["dst_base"]
-    state["src"], state["dst"] = (engine_buffers(shape, placements, bases[side]) if side in bases else None
-                                  for side in ("src", "dst"))
-    answer: dict = {}
-    if "src" in segments:
-        started = time.perf_counter()
-        regions = [Region(b.address, b.length, 0, False) for b in state["src"]]
-        state["handles"].append((sender, await sender.register(regions)))
-        answer.update(register_s=time.perf_counter() - started, regions=len(regions))
-    if "dst" in segments:
-        regions = [Region(b.address, b.length, 0, False) for b in state["dst"]]
-        state["handles"].append((receiver, await receiver.register(regions)))
-    if "src" in segments and "dst" in segments:
-        state["peer"] = await sender.connect(await receiver.metadata())
-    elif "src" in segments:
-        state["peer"] = await sender.connect(base64.b64decode(command["peer"]["metadata"]))
-    else:
-        answer.update(metadata=base64.b64encode(await receiver.metadata()).decode(), dst_base=bases["dst"])
-    return answer
-
-
-async def _direct_child(backend: str) -> None:
-    """The engine without a broker: Backend instances the parent drives over stdin, one JSON line each."""
-    from kvbroker.backends import create_backend
-    from kvbroker.config import Settings
-    from kvbroker.planner import build_descriptors, plan_runs
-
-    out = _protocol_stream()
-    loop = asyncio.get_running_loop()
-    settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
-    sender = create_backend(settings, f"bench-direct-src-{os.getpid()}")
-    receiver = create_backend(settings, f"bench-direct-dst-{os.getpid()}")
-    await asyncio.gather(sender.start(), receiver.start())
-    state: dict = {}
-    while line := await loop.run_in_executor(None, sys.stdin.readline):
-        command = json.loads(line)
-        try:
-            op = command["op"]
-            if op == "setup":
-                answer = await _direct_setup(command, sender, receiver, state)
-            elif op == "plan":
-                started = time.perf_counter()
-                runs = plan_runs(np.asarray(command["src_ids"]), np.asarray(command["dst_ids"]))
-                state["descriptors"] = build_descriptors(runs, state["src"], state["dst"])
-                answer = {"plan_s": time.perf_counter() - started, "runs": runs.count,
-                          "descriptors": state["descriptors"].count, "bytes": state["descriptors"].nbytes}
-            elif op == "write":
-                started = time.perf_counter()
-                await sender.write(state["peer"], state["descriptors"], timeout=command["timeout"])
-                answer = {"seconds": time.perf_counter() - started}
-            elif op == "teardown":
-                for backend_, handle in state.pop("handles"):
-                    await backend_.deregister(handle)
-                for segment in state.pop("segments"):
-                    segment.close()
-                state.clear()
-                answer = {}
-            else:
-                raise ValueError(f"unknown op {op!r}")
-            out.write(json.dumps({"ok": True, **answer}) + "\n")
-        except Exception as exc:  # the parent reports it and fails the section
-            out.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
-    out.flush()
-    os._exit(0)  # NIXL's UCX teardown may crash at interpreter exit; nothing is left to release
-
-
-@dataclass
-class Window:
-    """What the control-plane workers saw of one concurrency level; only requests ending inside count."""
-
-    begin: float
-    end: float
-    transfer_s: list[float] = dataclasses.field(default_factory=list)
-    grant_s: list[float] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
-
-
-async def _control_worker(config: dict, prefill, decode, window: Window, concurrency: int, w: int) -> None:
-    loop = asyncio.get_running_loop()
-    i = 0
-    while loop.time() < window.end and len(window.errors) <= 100:
-        rid = f"cp-{config['tag']}-{concurrency}-{w}-{i}"
-        i += 1
-        try:
-            t0 = time.perf_counter()
-            await decode.expect_transfer(config["decode_engine"], rid, [w], components=ALL, expiry_s=60)
-            t1 = time.perf_counter()
-            await prefill.transfer(config["prefill_engine"], rid, config["peer"], config["decode_engine"],
-                                   [w], components=ALL)
-            t2 = time.perf_counter()
-        except Exception as exc:  # counted and reported; the run goes on
-            window.errors.append(f"{type(exc).__name__}: {exc}")
-            continue
-        if window.begin <= loop.time() <= window.end:
-            window.grant_s.append(t1 - t0)
-            window.transfer_s.append(t2 - t1)
-
-
-async def _floor_worker(client, window: Window) -> None:
-    """The cheapest broker call (GetBrokerInfo) in a loop: what one unary RPC costs on this stack."""
-    loop = asyncio.get_running_loop()
-    while loop.time() < window.end:
-        started = time.perf_counter()
-        await client.info()
-        if window.begin <= loop.time() <= window.end:
-            window.transfer_s.append(time.perf_counter() - started)
-
-
-async def _control_child(config: dict) -> dict:
-    """Grant + one-page Transfer in a loop from `c` concurrent workers, for each concurrency."""
-    from kvbroker_client.client import BrokerClient
-
-    loop = asyncio.get_running_loop()
-    prefill = await BrokerClient.connect(config["prefill"])
-    decode = await BrokerClient.connect(config["decode"])
-    results, floor = [], []
-    try:
-        for concurrency in config["concurrency"]:
-            begin = loop.time() + config["warmup_s"]
-            window = Window(begin, begin + config["seconds"])
-            cpu, _ = await asyncio.gather(
-                _cpu_over(window, config["broker_pids"]),
-                asyncio.gather(*(_control_worker(config, prefill, decode, window, concurrency, w)
-                                 for w in range(concurrency))))
-            requests = len(window.transfer_s)
-            results.append({
-                "concurrency": concurrency, "requests": requests, "seconds": config["seconds"],
-                "requests_per_s": requests / config["seconds"],
-                "transfer_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
-                "grant_ms": _percentiles(np.asarray(window.grant_s) * 1e3),
-                "errors": len(window.errors), "first_error": window.errors[0] if window.errors else "",
-                "cpu_ms_per_request": {k: round(v * 1e3 / max(requests, 1), 4) for k, v in cpu.items()
-                                       if k != "machine_busy_cores"},
-                "machine_busy_cores": round(cpu["machine_busy_cores"], 2),
-            })
-        for concurrency in sorted({1, max(config["concurrency"])}):
-            begin = loop.time() + config["warmup_s"]
-            window = Window(begin, begin + config["seconds"])
-            cpu, _ = await asyncio.gather(_cpu_over(window, {"broker": config["broker_pids"]["prefill_broker"]}),
-                                          asyncio.gather(*(_floor_worker(prefill, window)
-                                                           for _ in range(concurrency))))
-            calls = len(window.transfer_s)
-            floor.append({"concurrency": concurrency, "calls_per_s": calls / config["seconds"],
-                          "call_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
-                          "cpu_ms_per_call": {k: round(v * 1e3 / max(calls, 1), 4) for k, v in cpu.items()
-                                              if k != "machine_busy_cores"}})
-    finally:
-        await prefill.close()
-        await decode.close()
-    return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor}
-
-
-def _process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _machine_busy_s() -> float:
-    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
-
-
-async def _cpu_over(window: Window, broker_pids: dict[str, int]) -> dict[str, float]:
-    """CPU-seconds each broker and this client spent inside the window, and the machine's busy cores."""
-    loop = asyncio.get_running_loop()
-
-    def sample() -> dict[str, float]:
-        now = {name: _process_cpu_s(pid) for name, pid in broker_pids.items()}
-        return {**now, "client": time.process_time(), "machine": _machine_busy_s()}
-
-    await asyncio.sleep(max(0.0, window.begin - loop.time()))
-    first = sample()
-    await asyncio.sleep(max(0.0, window.end - loop.time()))
-    last = sample()
-    spent = {k: last[k] - first[k] for k in first}
-    spent["machine_busy_cores"] = spent.pop("machine") / (window.end - window.begin)
-    return spent
-
-
-def _percentiles(values: np.ndarray) -> dict:
-    if values.size == 0:
-        return {"p50": None, "p99": None, "mean": None}
-    p50, p99 = np.percentile(values, [50, 99])
-    return {"p50": round(float(p50), 4), "p99": round(float(p99), 4), "mean": round(float(values.mean()), 4)}
-
-
-def _child_main(argv: Sequence[str]) -> None:
-    role = argv[0]
-    if role == "direct":
-        import uvloop
-
-        uvloop.run(_direct_child(argv[1]))  # the brokers' loop
-    elif role == "control":
-        config = json.loads(argv[1])
-        out = _protocol_stream()
-        if config["loop"] == "uvloop":
-            import uvloop
-
-            report = uvloop.run(_control_child(config))
-        else:
-            report = asyncio.run(_control_child(config))
-        out.write(json.dumps({"ok": True, **report}) + "\n")
-        out.flush()
-    else:
-        raise SystemExit(f"usage: python -m kvbroker.tools.bench direct BACKEND | control CONFIG (got {role!r})")
-
-
-# -- sections ---------------------------------------------------------------------------------------
 @dataclass
 class Side:
     """One backend's pair of brokers, public clients on them, and its engine-alone children: one that
@@ -732,205 +422,6 @@ async def registration(sides: list[Side], plan: Plan, say) -> dict:
             "rows": rows}
 
 
-# -- targets, report --------------------------------------------------------------------------------
-def judge(report: dict) -> list[dict]:
-    """One row per target and subject: the figure it is judged on, and whether it is met."""
-    verdicts = []
-
-    def add(target: Target, subject: str, figure: float | None, detail: str) -> None:
-        verdicts.append({"target": target.key, "text": target.text, "subject": subject,
-                         "figure": None if figure is None else round(figure, 4),
-                         "threshold": target.threshold, "met": target.met(figure), "detail": detail})
-
-    data = report.get("data_plane")
-    if data:
-        cases = data["cases"]
-        for backend in dict.fromkeys(c["backend"] for c in cases):
-            big = [c for c in cases if c["backend"] == backend and c["size_mib"] >= RATIO_FROM_MIB]
-            for pattern in PATTERNS:
-                mine = [c for c in big if c["pattern"] == pattern]
-                for key, baseline in (("ratio", "direct in 1 process"), ("ratio_vs_direct2", "direct in 2")):
-                    worst = min(mine, key=operator.itemgetter(key), default=None)
-                    add(TARGETS["ratio"], f"{backend} {pattern} vs {baseline}", worst and worst[key],
-                        f"lowest over {[c['size_mib'] for c in mine]} MiB"
-                        + (f" (at {worst['size_mib']} MiB)" if worst else ": no size >= 64 MiB in this run"))
-            for path in ("direct", "broker"):
-                pairs = {}
-                for c in big:
-                    pairs.setdefault(c["size_mib"], {})[c["pattern"]] = c[f"{path}_gbps"]
-                fractions = {s: p["runs16"] / p["contiguous"] for s, p in pairs.items()
-                             if "runs16" in p and "contiguous" in p}
-                worst_size = min(fractions, key=fractions.get, default=None)
-                add(TARGETS["runs16"], f"{backend} {path}", fractions.get(worst_size),
-                    f"lowest runs16/contiguous GB/s over {sorted(fractions)} MiB"
-                    if fractions else "no size >= 64 MiB in this run")
-    control = report.get("control_plane")
-    if control:
-        for r in control["runs"]:
-            subject = f"{r['backend']} client {r['client_loop']}"
-            if r["concurrency"] == 1:
-                add(TARGETS["p50"], subject, r["transfer_ms"]["p50"], f"p99 {r['transfer_ms']['p99']} ms")
-            if r["concurrency"] == 128:
-                add(TARGETS["rps"], subject, r["requests_per_s"],
-                    f"Transfer p50 {r['transfer_ms']['p50']} ms at concurrency 128")
-    plans = report.get("planner")
-    if plans:
-        for row in plans["rows"]:
-            if row["pages"] == 10**7:
-                add(TARGETS["planner"], f"{row['pattern']} plan_runs+build_descriptors",
-                    row["plan_build_1buffer_ids_per_s"],
-                    f"one layer-buffer pair; plan_runs alone {row['plan_runs_ids_per_s'] / 1e6:.1f} M ids/s")
-    return verdicts
-
-
-def machine() -> dict:
-    def version(name: str) -> str:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return ""
-
-    cpu = ""
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5, check=False).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": socket.gethostname(), "cpu": cpu, "cpus": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(), "kernel": platform.release(), "commit": commit,
-        "packages": {n: version(n) for n in ("nixl", "mooncake-transfer-engine-non-cuda",
-                                             "mooncake-transfer-engine", "grpcio", "numpy", "uvloop")},
-        "ucx_net_devices": os.environ.get("UCX_NET_DEVICES", ""),
-    }
-
-
-def _fmt_size(mib: int) -> str:
-    return f"{mib // 1024} GiB" if mib >= 1024 and mib % 1024 == 0 else f"{mib} MiB"
-
-
-def _mark(met: bool | None) -> str:
-    return {True: "ok", False: "MISS", None: "n/a"}[met]
-
-
-def _millions(row: dict, key: str) -> str:
-    return f"{row[key] / 1e6:.1f}" if key in row else "-"
-
-
-def _render_data(data: dict) -> list[str]:
-    s = data["shape"]
-    lines = ["", (f"Data plane: {s['layers']} layers, page_size {s['page_size_tokens']} tokens, "
-                  f"{s['layer_buffers']} layer buffers (MAIN_KV K+V bf16 {s['item_len_bytes']['K']} B, "
-                  f"MINIMAX_INDEX_K fp8 {s['item_len_bytes']['INDEX_K']} B a page), "
-                  f"{s['bytes_per_page'] // 1024} KiB a page; GB/s, median of {data['timing']['repeats']}"),
-             (f"{'backend':9}{'size':>8}{'pages':>7} {'pattern':11}{'runs':>6}{'descs':>8}{'broker':>8}"
-              f"{'direct':>8}{'2-proc':>8}{'memcpy':>8}  {'broker/direct':19}{'b/2-proc':>9}  "
-              f"{'runs16/contig direct|broker':28}")]
-    memcpy = {m["size_mib"]: m["gbps"] for m in data["memcpy"]}
-    by_key = {(c["backend"], c["size_mib"], c["pattern"]): c for c in data["cases"]}
-    for c in data["cases"]:
-        big = c["size_mib"] >= RATIO_FROM_MIB
-        ratio = f"{c['ratio']:.3f}" + (f" {_mark(TARGETS['ratio'].met(c['ratio']))} >=0.95" if big else "")
-        frac = ""
-        contig = by_key.get((c["backend"], c["size_mib"], "contiguous"))
-        if c["pattern"] == "runs16" and contig:
-            d, b = (c[f"{p}_gbps"] / contig[f"{p}_gbps"] for p in ("direct", "broker"))
-            frac = f"{d:.3f}|{b:.3f}"
-            if big:
-                frac += f" {_mark(TARGETS['runs16'].met(min(d, b)))} >=0.8"
-        lines.append(f"{c['backend']:9}{_fmt_size(c['size_mib']):>8}{c['pages']:>7} {c['pattern']:11}"
-                     f"{c['runs']:>6}{c['descriptors']:>8}{c['broker_gbps']:>8.2f}{c['direct_gbps']:>8.2f}"
-                     f"{c.get('direct2_gbps', float('nan')):>8.2f}{memcpy.get(c['size_mib'], 0):>8.2f}  {ratio:19}"
-                     f"{c.get('ratio_vs_direct2', float('nan')):>9.3f}  {frac:28}"
-                     f"{'' if c['verified'] else 'NOT VERIFIED'}")
-    return lines
-
-
-def _render_control(control: dict) -> list[str]:
-    engine = control["engine"]
-    lines = ["", (f"Control plane: grant + one-page Transfer ({engine['page_bytes'] // 1024} KiB over "
-                  f"{engine['layer_buffers']} layer buffers); varied: the client's loop; brokers on uvloop"),
-             (f"{'backend':9}{'client':9}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>7}"
-              f"{'cpu ms/req P+D+client':>23}{'busy cores':>11}  target")]
-    for r in control["runs"]:
-        target = ""
-        if r["concurrency"] == 1:
-            target = f"p50 {_mark(TARGETS['p50'].met(r['transfer_ms']['p50']))} <=1 ms"
-        elif r["concurrency"] == 128:
-            target = f"req/s {_mark(TARGETS['rps'].met(r['requests_per_s']))} >=2000"
-        p50, p99 = (float("nan") if r["transfer_ms"][k] is None else r["transfer_ms"][k]
-                    for k in ("p50", "p99"))
-        cpu = r.get("cpu_ms_per_request", {})
-        split = "+".join(f"{cpu.get(k, float('nan')):.2f}" for k in ("prefill_broker", "decode_broker", "client"))
-        lines.append(f"{r['backend']:9}{r['client_loop']:9}{r['concurrency']:>5}{r['requests_per_s']:>9.0f}"
-                     f"{p50:>9.3f}{p99:>9.3f}{r['errors']:>7}{split:>23}{r.get('machine_busy_cores', 0):>11.2f}"
-                     f"  {target}")
-    for f in control.get("rpc_floor", []):
-        cpu = f"{f['cpu_ms_per_call'].get('broker', 0):.2f}+{f['cpu_ms_per_call'].get('client', 0):.2f}"
-        lines.append(f"{f['backend']:9}{f['client_loop']:9}{f['concurrency']:>5}{f['calls_per_s']:>9.0f}"
-                     f"{f['call_ms']['p50'] or float('nan'):>9.3f}{f['call_ms']['p99'] or float('nan'):>9.3f}"
-                     f"{'':>7}{cpu + '  ':>23}{'':>11}  floor: one GetBrokerInfo (broker+client cpu)")
-    return lines
-
-
-def _render_planner(plans: dict) -> list[str]:
-    full = f"plan_build_{plans['full_engine_buffers']}buffers_ids_per_s"
-    lines = ["", (f"Planner: M page ids/s: plan_runs; plan_runs + build_descriptors for 1 layer-buffer pair "
-                  f"(build1) and for {plans['full_engine_buffers']} (build192); naive Python loop"),
-             (f"{'pages':>10} {'pattern':10}{'runs':>10}{'plan':>8}{'build1':>8}{'build192':>9}"
-              f"{'naive':>8}{'naive+b1':>9}  target")]
-    for row in plans["rows"]:
-        target = ""
-        if row["pages"] == 10**7:
-            target = f"build1 {_mark(TARGETS['planner'].met(row['plan_build_1buffer_ids_per_s']))} >=50"
-        lines.append(f"{row['pages']:>10,} {row['pattern']:10}{row['runs']:>10,}"
-                     f"{_millions(row, 'plan_runs_ids_per_s'):>8}"
-                     f"{_millions(row, 'plan_build_1buffer_ids_per_s'):>8}"
-                     f"{_millions(row, full):>9}{_millions(row, 'naive_plan_ids_per_s'):>8}"
-                     f"{_millions(row, 'naive_plan_build_1buffer_ids_per_s'):>9}  {target}")
-    return lines
-
-
-def _render_registration(reg: dict) -> list[str]:
-    e = reg["engine"]
-    lines = ["", (f"Registration: {e['layers']} layers x 3 = {e['layer_buffers']} layer buffers, "
-                  f"{e['pages_per_buffer']} pages each ({e['registered_bytes'] / MiB:.0f} MiB); no target")]
-    for row in reg["rows"]:
-        lines.append(f"  {row['backend']:9} RegisterEngine {row['register_ms']:.1f} ms, "
-                     f"UnregisterEngine {row['unregister_ms']:.1f} ms (median)")
-    return lines
-
-
-def render(report: dict) -> str:
-    """The terminal table: every section's figures, each target beside the figure it judges."""
-    meta = report["meta"]
-    lines = [(f"kvbroker bench{' --quick' if report['quick'] else ''}  {meta['date']}  {meta['host']}  "
-              f"{meta['cpus']} CPUs ({meta['cpu']}), {meta['memory_gib']} GiB, "
-              f"load {meta['load_avg_at_start']}")]
-    for key, part in (("data_plane", _render_data), ("control_plane", _render_control),
-                      ("planner", _render_planner), ("registration", _render_registration)):
-        if report.get(key):
-            lines += part(report[key])
-    if report["targets"]:
-        lines += ["", "Targets"]
-        for v in report["targets"]:
-            figure = "-" if v["figure"] is None else f"{v['figure']:,.4g}"
-            lines.append(f"  {_mark(v['met']):4} {v['text']:44} {v['subject']:34} {figure:>11}  "
-                         f"{v['detail']}")
-    if report["errors"]:
-        lines += ["", "Errors"] + [f"  {e}" for e in report["errors"]]
-    return "\n".join(lines)
-
-
 def _available(backend: str) -> bool:
     module = {"nixl": "nixl", "mooncake": "mooncake"}.get(backend)
     return module is not None and importlib.util.find_spec(module) is not None
@@ -1015,6 +506,3 @@ async def _bench(args: argparse.Namespace) -> int:
     unverified = [c for c in report.get("data_plane", {}).get("cases", []) if not c["verified"]]
     return 1 if report["errors"] or unverified else 0
 
-
-if __name__ == "__main__":
-    _child_main(sys.argv[1:])

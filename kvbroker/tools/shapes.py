@@ -200,6 +200,9 @@ def sized(nbytes: int) -> tuple[ModelShape, int]:
     return dataclasses.replace(BENCH_ENGINE, num_pages=math.ceil(pages / 16) * 16, request_pages=pages), pages
 
 
+PATTERNS = ("contiguous", "runs16", "scattered")  # what page_lists makes
+
+
 def page_lists(pattern: str, pages: int, pool: int,
                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination page ids: one run, runs of 16 in shuffled order, or every page on its own."""

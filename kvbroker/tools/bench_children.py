@@ -1,0 +1,311 @@
+"""The bench's child processes, and the handle the parent holds on each (`Child`).
+
+A child runs as `python -m kvbroker.tools.bench_children direct BACKEND | control CONFIG` and speaks
+JSON lines on stdout (whatever a library prints goes to stderr):
+- `direct`: the engine without a broker, two Backend instances driven by the parent over stdin
+  (`setup`, `plan`, `write`, `teardown`), one sender and one receiver or both in one process;
+- `control`: grant + one-page Transfer in a loop from concurrent workers on one event loop (uvloop
+  or asyncio's), with the CPU each broker and the client spent; answers once, with its report.
+Called by bench.py's sections only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvbroker.tools import shapes
+from kvbroker.tools.shapes import ALL, MiB, engine_buffers
+
+
+class Child:
+    """A `python -m kvbroker.tools.bench_children ...` process: one JSON line in, one JSON line out."""
+
+    def __init__(self, process: asyncio.subprocess.Process, what: str) -> None:
+        self.process = process
+        self.what = what
+        self.timeout = 600.0
+        self.stderr: list[str] = []
+        self._drain = asyncio.create_task(self._read_stderr())
+
+    @classmethod
+    async def start(cls, *args: str) -> Child:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvbroker.tools.bench_children", *args, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=64 * MiB,
+            env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")})
+        return cls(process, " ".join(args[:1]))
+
+    async def _read_stderr(self) -> None:
+        while line := await self.process.stderr.readline():
+            self.stderr = (self.stderr + [line.decode(errors="replace").rstrip()])[-40:]
+
+    async def reply(self, timeout: float) -> dict:
+        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
+        if not line:
+            await asyncio.wait([self._drain], timeout=5)
+            raise RuntimeError(f"bench child {self.what} exited:\n" + "\n".join(self.stderr[-20:]))
+        answer = json.loads(line)
+        if not answer.get("ok", True):
+            raise RuntimeError(f"bench child {self.what}: {answer['error']}")
+        return answer
+
+    async def ask(self, **command) -> dict:
+        self.process.stdin.write((json.dumps(command) + "\n").encode())
+        await self.process.stdin.drain()
+        return await self.reply(self.timeout)
+
+    async def stop(self) -> None:
+        if self.process.returncode is None:
+            try:
+                self.process.stdin.close()
+                await asyncio.wait_for(self.process.wait(), 30)
+            except (TimeoutError, ConnectionError):
+                self.process.kill()
+                await self.process.wait()
+        self._drain.cancel()
+
+
+def _protocol_stream():
+    """stdout for our JSON lines only: whatever a library prints goes to stderr instead."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return out
+
+
+async def _direct_setup(command: dict, sender, receiver, state: dict) -> dict:
+    """Map the pools and register the sides this child plays: both (one process), or one of two.
+
+    A receiver-only child answers with its metadata and its destination pool's address, which the
+    parent hands to a sender-only child in another process.
+    """
+    from kvbroker.registry import Region
+    from kvbroker_client.shm import SharedSegment
+
+    shape = shapes.ModelShape(**command["shape"])
+    placements = shapes.place_buffers(shape)
+    segments = {side: SharedSegment(name, command["size"], create=False)
+                for side, name in command["segments"].items()}
+    state.update(segments=list(segments.values()), handles=[])
+    bases = {side: seg.array.ctypes.data for side, seg in segments.items()}
+    if "dst" not in bases:
+        bases["dst"] = command["peer"]["dst_base"]
+    state["src"], state["dst"] = (engine_buffers(shape, placements, bases[side]) if side in bases else None
+                                  for side in ("src", "dst"))
+    answer: dict = {}
+    if "src" in segments:
+        started = time.perf_counter()
+        regions = [Region(b.address, b.length, 0, False) for b in state["src"]]
+        state["handles"].append((sender, await sender.register(regions)))
+        answer.update(register_s=time.perf_counter() - started, regions=len(regions))
+    if "dst" in segments:
+        regions = [Region(b.address, b.length, 0, False) for b in state["dst"]]
+        state["handles"].append((receiver, await receiver.register(regions)))
+    if "src" in segments and "dst" in segments:
+        state["peer"] = await sender.connect(await receiver.metadata())
+    elif "src" in segments:
+        state["peer"] = await sender.connect(base64.b64decode(command["peer"]["metadata"]))
+    else:
+        answer.update(metadata=base64.b64encode(await receiver.metadata()).decode(), dst_base=bases["dst"])
+    return answer
+
+
+async def _direct_child(backend: str) -> None:
+    """The engine without a broker: Backend instances the parent drives over stdin, one JSON line each."""
+    from kvbroker.backends import create_backend
+    from kvbroker.config import Settings
+    from kvbroker.planner import build_descriptors, plan_runs
+
+    out = _protocol_stream()
+    loop = asyncio.get_running_loop()
+    settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
+    sender = create_backend(settings, f"bench-direct-src-{os.getpid()}")
+    receiver = create_backend(settings, f"bench-direct-dst-{os.getpid()}")
+    await asyncio.gather(sender.start(), receiver.start())
+    state: dict = {}
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        command = json.loads(line)
+        try:
+            op = command["op"]
+            if op == "setup":
+                answer = await _direct_setup(command, sender, receiver, state)
+            elif op == "plan":
+                started = time.perf_counter()
+                runs = plan_runs(np.asarray(command["src_ids"]), np.asarray(command["dst_ids"]))
+                state["descriptors"] = build_descriptors(runs, state["src"], state["dst"])
+                answer = {"plan_s": time.perf_counter() - started, "runs": runs.count,
+                          "descriptors": state["descriptors"].count, "bytes": state["descriptors"].nbytes}
+            elif op == "write":
+                started = time.perf_counter()
+                await sender.write(state["peer"], state["descriptors"], timeout=command["timeout"])
+                answer = {"seconds": time.perf_counter() - started}
+            elif op == "teardown":
+                for backend_, handle in state.pop("handles"):
+                    await backend_.deregister(handle)
+                for segment in state.pop("segments"):
+                    segment.close()
+                state.clear()
+                answer = {}
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            out.write(json.dumps({"ok": True, **answer}) + "\n")
+        except Exception as exc:  # the parent reports it and fails the section
+            out.write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+    out.flush()
+    os._exit(0)  # NIXL's UCX teardown may crash at interpreter exit; nothing is left to release
+
+
+@dataclass
+class Window:
+    """What the control-plane workers saw of one concurrency level; only requests ending inside count."""
+
+    begin: float
+    end: float
+    transfer_s: list[float] = dataclasses.field(default_factory=list)
+    grant_s: list[float] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+
+async def _control_worker(config: dict, prefill, decode, window: Window, concurrency: int, w: int) -> None:
+    loop = asyncio.get_running_loop()
+    i = 0
+    while loop.time() < window.end and len(window.errors) <= 100:
+        rid = f"cp-{config['tag']}-{concurrency}-{w}-{i}"
+        i += 1
+        try:
+            t0 = time.perf_counter()
+            await decode.expect_transfer(config["decode_engine"], rid, [w], components=ALL, expiry_s=60)
+            t1 = time.perf_counter()
+            await prefill.transfer(config["prefill_engine"], rid, config["peer"], config["decode_engine"],
+                                   [w], components=ALL)
+            t2 = time.perf_counter()
+        except Exception as exc:  # counted and reported; the run goes on
+            window.errors.append(f"{type(exc).__name__}: {exc}")
+            continue
+        if window.begin <= loop.time() <= window.end:
+            window.grant_s.append(t1 - t0)
+            window.transfer_s.append(t2 - t1)
+
+
+async def _floor_worker(client, window: Window) -> None:
+    """The cheapest broker call (GetBrokerInfo) in a loop: what one unary RPC costs on this stack."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < window.end:
+        started = time.perf_counter()
+        await client.info()
+        if window.begin <= loop.time() <= window.end:
+            window.transfer_s.append(time.perf_counter() - started)
+
+
+async def _control_child(config: dict) -> dict:
+    """Grant + one-page Transfer in a loop from `c` concurrent workers, for each concurrency."""
+    from kvbroker_client.client import BrokerClient
+
+    loop = asyncio.get_running_loop()
+    prefill = await BrokerClient.connect(config["prefill"])
+    decode = await BrokerClient.connect(config["decode"])
+    results, floor = [], []
+    try:
+        for concurrency in config["concurrency"]:
+            begin = loop.time() + config["warmup_s"]
+            window = Window(begin, begin + config["seconds"])
+            cpu, _ = await asyncio.gather(
+                _cpu_over(window, config["broker_pids"]),
+                asyncio.gather(*(_control_worker(config, prefill, decode, window, concurrency, w)
+                                 for w in range(concurrency))))
+            requests = len(window.transfer_s)
+            results.append({
+                "concurrency": concurrency, "requests": requests, "seconds": config["seconds"],
+                "requests_per_s": requests / config["seconds"],
+                "transfer_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
+                "grant_ms": _percentiles(np.asarray(window.grant_s) * 1e3),
+                "errors": len(window.errors), "first_error": window.errors[0] if window.errors else "",
+                "cpu_ms_per_request": {k: round(v * 1e3 / max(requests, 1), 4) for k, v in cpu.items()
+                                       if k != "machine_busy_cores"},
+                "machine_busy_cores": round(cpu["machine_busy_cores"], 2),
+            })
+        for concurrency in sorted({1, max(config["concurrency"])}):
+            begin = loop.time() + config["warmup_s"]
+            window = Window(begin, begin + config["seconds"])
+            cpu, _ = await asyncio.gather(_cpu_over(window, {"broker": config["broker_pids"]["prefill_broker"]}),
+                                          asyncio.gather(*(_floor_worker(prefill, window)
+                                                           for _ in range(concurrency))))
+            calls = len(window.transfer_s)
+            floor.append({"concurrency": concurrency, "calls_per_s": calls / config["seconds"],
+                          "call_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
+                          "cpu_ms_per_call": {k: round(v * 1e3 / max(calls, 1), 4) for k, v in cpu.items()
+                                              if k != "machine_busy_cores"}})
+    finally:
+        await prefill.close()
+        await decode.close()
+    return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor}
+
+
+def _process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _machine_busy_s() -> float:
+    ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+async def _cpu_over(window: Window, broker_pids: dict[str, int]) -> dict[str, float]:
+    """CPU-seconds each broker and this client spent inside the window, and the machine's busy cores."""
+    loop = asyncio.get_running_loop()
+
+    def sample() -> dict[str, float]:
+        now = {name: _process_cpu_s(pid) for name, pid in broker_pids.items()}
+        return {**now, "client": time.process_time(), "machine": _machine_busy_s()}
+
+    await asyncio.sleep(max(0.0, window.begin - loop.time()))
+    first = sample()
+    await asyncio.sleep(max(0.0, window.end - loop.time()))
+    last = sample()
+    spent = {k: last[k] - first[k] for k in first}
+    spent["machine_busy_cores"] = spent.pop("machine") / (window.end - window.begin)
+    return spent
+
+
+def _percentiles(values: np.ndarray) -> dict:
+    if values.size == 0:
+        return {"p50": None, "p99": None, "mean": None}
+    p50, p99 = np.percentile(values, [50, 99])
+    return {"p50": round(float(p50), 4), "p99": round(float(p99), 4), "mean": round(float(values.mean()), 4)}
+
+
+def _child_main(argv: Sequence[str]) -> None:
+    role = argv[0]
+    if role == "direct":
+        import uvloop
+
+        uvloop.run(_direct_child(argv[1]))  # the brokers' loop
+    elif role == "control":
+        config = json.loads(argv[1])
+        out = _protocol_stream()
+        if config["loop"] == "uvloop":
+            import uvloop
+
+            report = uvloop.run(_control_child(config))
+        else:
+            report = asyncio.run(_control_child(config))
+        out.write(json.dumps({"ok": True, **report}) + "\n")
+        out.flush()
+    else:
+        raise SystemExit(f"usage: python -m kvbroker.tools.bench_children direct BACKEND | control CONFIG "
+                         f"(got {role!r})")
+
+
+if __name__ == "__main__":
+    _child_main(sys.argv[1:])
