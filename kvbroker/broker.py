@@ -21,11 +21,12 @@ import numpy as np
 
 from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code, invalid, not_found, precondition
+from kvbroker.errors import BrokerError, Code, invalid, not_found
 from kvbroker.model import ComponentKind, EngineLayout, EngineSpec, State, TransferRole
 from kvbroker.planner import build_descriptors, plan_runs
-from kvbroker.registry import Engine, Registry, check_identifier
+from kvbroker.registry import Engine, Registry
 from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.validation import check_components, check_identifier, check_page_ids, registered_pages
 
 if TYPE_CHECKING:
     from kvbroker.metrics import Metrics
@@ -93,33 +94,6 @@ class Limits:
     max_grant_expiry_s: float
     transfer_timeout_s: float
     peer_rpc_timeout_s: float
-
-
-def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: int, *, unique: bool) -> None:
-    if ids.size == 0:
-        raise invalid(f"{field_name}: at least one page id is required")
-    if ids.size > max_pages:
-        raise BrokerError(Code.RESOURCE_EXHAUSTED,
-                          f"{field_name}: {ids.size} page ids exceed the limit of {max_pages} per request")
-    over = np.flatnonzero(ids >= num_pages)
-    if over.size:
-        i = int(over[0])
-        raise invalid(f"{field_name}[{i}]: page id {int(ids[i])} is out of range [0, {num_pages})")
-    if unique:
-        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        if uniq.size != ids.size:
-            dup = int(uniq[counts > 1][0])
-            raise invalid(f"{field_name}: page id {dup} appears more than once")
-
-
-def check_components(components: Sequence[ComponentKind], field_name: str) -> tuple[ComponentKind, ...]:
-    if not components:
-        raise invalid(f"{field_name}: at least one component is required")
-    if len(set(components)) != len(components):
-        raise invalid(f"{field_name}: a component is listed twice")
-    for kind in components:
-        topology.reject_index_with_value(kind)
-    return tuple(components)
 
 
 class Broker:
@@ -267,10 +241,7 @@ class Broker:
         check_identifier(request_id, "request_id")
         engine = self.registry.get(engine_id)
         kinds = check_components(components, "components")
-        for kind in kinds:
-            if kind not in engine.layout.components:
-                raise precondition(f"components: {kind.name} is not registered by engine {engine_id!r}")
-        num_pages = min(engine.layout.components[k].num_pages for k in kinds)
+        num_pages = registered_pages(engine.layout, kinds)
         check_page_ids(dst_page_ids, "dst_page_ids", num_pages, self.limits.max_pages_per_request, unique=True)
         expiry_s = expiry_ms / 1000 if expiry_ms else self.limits.default_grant_expiry_s
         if expiry_s > self.limits.max_grant_expiry_s:
@@ -315,10 +286,7 @@ class Broker:
             raise invalid("peer_address: the peer broker's address is required")
         engine = self.registry.get(cmd.engine_id)
         kinds = check_components(cmd.components, "components")
-        for kind in kinds:
-            if kind not in engine.layout.components:
-                raise precondition(f"components: {kind.name} is not registered by engine {cmd.engine_id!r}")
-        num_pages = min(engine.layout.components[k].num_pages for k in kinds)
+        num_pages = registered_pages(engine.layout, kinds)
         check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self.limits.max_pages_per_request,
                        unique=False)
         if cmd.dst_page_ids.size:
@@ -359,7 +327,7 @@ class Broker:
                                                        timeout=min(left(), self.limits.peer_rpc_timeout_s))
                     topology.check_transfer(engine.layout, session.engine, record.components)
                 src, dst, truncated = topology.truncate_page_lists(cmd.src_page_ids, claimed.grant.dst_page_ids)
-                remote_pages = min(session.engine.components[k].num_pages for k in record.components)
+                remote_pages = registered_pages(session.engine, record.components)
                 # The receiver checked its grant; this guards our writes against a peer that lies about it.
                 check_page_ids(dst, "dst_page_ids", remote_pages, self.limits.max_pages_per_request, unique=False)
                 runs = plan_runs(src, dst)

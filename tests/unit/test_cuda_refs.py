@@ -39,7 +39,8 @@ from kvbroker.model import (
     Topology,
 )
 from kvbroker.planner import Descriptors, build_descriptors, plan_runs
-from kvbroker.registry import Region, Registry, validate_spec
+from kvbroker.registry import Region, Registry
+from kvbroker.validation import validate_spec
 from kvbroker_client.model import CudaIpcRef as ClientCudaIpcRef
 from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
 from kvbroker_client.v1 import broker_service_pb2 as bpb

@@ -18,7 +18,8 @@ from kvbroker.model import (
     SharedMemoryRef,
     Topology,
 )
-from kvbroker.registry import Registry, validate_spec
+from kvbroker.registry import Registry
+from kvbroker.validation import validate_spec
 from kvbroker_client.shm import SharedSegment
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)

@@ -1,0 +1,159 @@
+"""Validation of one request, before any state changes: pure functions that raise BrokerError
+naming the field and the rule.
+
+- `check_identifier`: engine ids, request ids (RegisterEngine, ExpectTransfer, Transfer);
+- `validate_topology`, `validate_spec`: a declared engine, without touching memory (Registry.check);
+- `check_components`: a request's component list (ExpectTransfer, Transfer);
+- `registered_pages`: each of a request's components is registered by the engine, and the pages
+  they all have, the bound of a page id into them (ExpectTransfer, Transfer, and the sender's plan
+  against the receiver's engine);
+- `check_page_ids`: a page-id list against that bound and the request limit.
+
+Callers: Registry (registry.py), Broker (broker.py), the sender's plan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvbroker import topology
+from kvbroker.errors import BrokerError, Code, invalid, precondition
+from kvbroker.memory import MAX_DEVICE_ORDINAL, check_cuda_ref
+from kvbroker.model import (
+    ComponentKind,
+    CudaIpcRef,
+    EngineLayout,
+    EngineSpec,
+    Layout,
+    Role,
+    SharedMemoryRef,
+    Topology,
+)
+
+IDENTIFIER = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+ROLES_BY_LAYOUT = {Layout.FLAT: (Role.FLAT,), Layout.KV_SPLIT: (Role.K, Role.V)}
+
+
+def check_identifier(value: str, field_name: str) -> None:
+    if not IDENTIFIER.fullmatch(value):
+        raise invalid(f"{field_name}: {value!r} must match [A-Za-z0-9._:/-]{{1,128}}")
+
+
+def validate_topology(t: Topology) -> None:
+    for name in ("tp_size", "attn_tp_size", "pp_size", "page_size"):
+        if getattr(t, name) < 1:
+            raise invalid(f"topology.{name}: must be at least 1, got {getattr(t, name)}")
+    for rank, size in (("tp_rank", "tp_size"), ("attn_tp_rank", "attn_tp_size"), ("pp_rank", "pp_size")):
+        if getattr(t, rank) >= getattr(t, size):
+            raise invalid(f"topology.{rank}: must be below {size}={getattr(t, size)}, got {getattr(t, rank)}")
+    if t.end_layer <= t.start_layer:
+        raise invalid(f"topology.end_layer: must exceed start_layer={t.start_layer}, got {t.end_layer}")
+
+
+def validate_spec(spec: EngineSpec, max_pages: int) -> None:
+    """Everything about a declared engine that can be checked without mapping memory."""
+    check_identifier(spec.engine_id, "engine_id")
+    validate_topology(spec.topology)
+    if not spec.components:
+        raise invalid("components: at least one component is required")
+    if spec.broker_allocation is not None and spec.broker_allocation.device > MAX_DEVICE_ORDINAL:
+        raise invalid(f"allocation_device: {spec.broker_allocation.device} is not a plausible CUDA device ordinal "
+                      f"(at most {MAX_DEVICE_ORDINAL})")
+    first_kind: tuple[str, type] | None = None  # where the engine's first memory reference is, and its kind
+    seen: set[ComponentKind] = set()
+    for i, comp in enumerate(spec.components):
+        where = f"components[{i}]"
+        topology.reject_index_with_value(comp.kind)
+        if comp.kind in seen:
+            raise invalid(f"{where}.component: {comp.kind.name} is registered twice")
+        seen.add(comp.kind)
+        if comp.kind is ComponentKind.MINIMAX_INDEX_K and comp.layout is not Layout.FLAT:
+            raise invalid(f"{where}.layout: MINIMAX_INDEX_K must be LAYOUT_FLAT, got {comp.layout.name}")
+        if not 1 <= comp.num_pages <= max_pages:
+            raise invalid(f"{where}.num_pages: must be in [1, {max_pages}], got {comp.num_pages}")
+        if not comp.layer_buffers:
+            raise invalid(f"{where}.layer_buffers: at least one layer buffer is required")
+        roles = ROLES_BY_LAYOUT[comp.layout]
+        keys: set[tuple[int, Role]] = set()
+        for j, buf in enumerate(comp.layer_buffers):
+            at = f"{where}.layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name})"
+            if buf.role not in roles:
+                raise invalid(f"{at}.role: {comp.layout.name} layout takes {'/'.join(r.name for r in roles)}")
+            if (buf.layer_id, buf.role) in keys:
+                raise invalid(f"{at}: layer {buf.layer_id} {buf.role.name} is declared twice")
+            keys.add((buf.layer_id, buf.role))
+            if not spec.topology.start_layer <= buf.layer_id < spec.topology.end_layer:
+                raise invalid(
+                    f"{at}.layer_id: outside the engine's layers "
+                    f"[{spec.topology.start_layer}, {spec.topology.end_layer})"
+                )
+            if buf.item_len == 0:
+                raise invalid(f"{at}.item_len: must be greater than zero")
+            if buf.length < comp.num_pages * buf.item_len:
+                raise invalid(
+                    f"{at}.length: {buf.length} bytes is shorter than num_pages × item_len = "
+                    f"{comp.num_pages} × {buf.item_len} = {comp.num_pages * buf.item_len}"
+                )
+            if spec.broker_allocation is not None:
+                if buf.memory is not None:
+                    raise invalid(f"{at}.memory: must be unset with MEMORY_OWNERSHIP_BROKER; the broker "
+                                  "allocates it")
+                continue
+            if buf.memory is None:
+                raise invalid(f"{at}.memory: a memory reference is required")
+            if first_kind is None:
+                first_kind = (at, type(buf.memory))
+            elif type(buf.memory) is not first_kind[1]:
+                raise invalid(f"{at}.memory: {_ONEOF[type(buf.memory)]}, but {first_kind[0]} is "
+                              f"{_ONEOF[first_kind[1]]}; an engine's layer buffers are all host memory or all GPU")
+            if isinstance(buf.memory, CudaIpcRef):
+                check_cuda_ref(buf.memory, buf.length, f"{at}.memory.cuda_ipc")
+        if comp.layout is Layout.KV_SPLIT:
+            layers = {layer for layer, _ in keys}
+            for layer in sorted(layers):
+                for role in roles:
+                    if (layer, role) not in keys:
+                        raise invalid(f"{where}.layer_buffers: layer {layer} has no {role.name} buffer")
+
+
+_ONEOF = {SharedMemoryRef: "shared_memory", CudaIpcRef: "cuda_ipc"}
+
+
+
+def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: int, *, unique: bool) -> None:
+    if ids.size == 0:
+        raise invalid(f"{field_name}: at least one page id is required")
+    if ids.size > max_pages:
+        raise BrokerError(Code.RESOURCE_EXHAUSTED,
+                          f"{field_name}: {ids.size} page ids exceed the limit of {max_pages} per request")
+    over = np.flatnonzero(ids >= num_pages)
+    if over.size:
+        i = int(over[0])
+        raise invalid(f"{field_name}[{i}]: page id {int(ids[i])} is out of range [0, {num_pages})")
+    if unique:
+        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+        if uniq.size != ids.size:
+            dup = int(uniq[counts > 1][0])
+            raise invalid(f"{field_name}: page id {dup} appears more than once")
+
+
+def check_components(components: Sequence[ComponentKind], field_name: str) -> tuple[ComponentKind, ...]:
+    if not components:
+        raise invalid(f"{field_name}: at least one component is required")
+    if len(set(components)) != len(components):
+        raise invalid(f"{field_name}: a component is listed twice")
+    for kind in components:
+        topology.reject_index_with_value(kind)
+    return tuple(components)
+
+
+def registered_pages(layout: EngineLayout, components: Sequence[ComponentKind]) -> int:
+    """The pages every one of `components` has on the engine: a page id into them is below this.
+    A component the engine did not register is FAILED_PRECONDITION."""
+    for kind in components:
+        if kind not in layout.components:
+            raise precondition(f"components: {kind.name} is not registered by engine {layout.engine_id!r}")
+    return min(layout.components[k].num_pages for k in components)
