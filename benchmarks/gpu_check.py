@@ -393,8 +393,8 @@ async def direct_stage(check: Check, shape: shapes.ModelShape, devices: tuple[in
 
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
+    from kvbroker.model import Region
     from kvbroker.planner import build_descriptors
-    from kvbroker.registry import Region
 
     placements = shapes.place_buffers(shape)
     size = shapes.pool_size(shape, placements)

@@ -2,12 +2,16 @@
 
 Engines are described twice over: as the server declared them (`*Spec`, memory references) and as
 a transfer sees them (`*Layout`, resolved addresses), the latter for local engines and peers alike.
+What a transfer engine is handed is here too, so that the backends need nothing else of the
+domain: `Region` (a registered byte range) and `Descriptors` (the planner's rows for one write).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class ComponentKind(enum.IntEnum):
@@ -154,3 +158,32 @@ class EngineLayout:
     engine_id: str
     topology: Topology
     components: dict[ComponentKind, ComponentLayout] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered byte range, as handed to a transfer engine."""
+
+    address: int
+    length: int
+    device: int
+    gpu: bool
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """What one write moves, as the planner built it: one (address, length, device) row per run per
+    layer buffer on each side."""
+
+    src: np.ndarray  # (n, 3) uint64: address, length in bytes, device
+    dst: np.ndarray  # (n, 3) uint64, row i is where src row i lands
+    src_memory_kind: MemoryKind = MemoryKind.HOST
+    dst_memory_kind: MemoryKind = MemoryKind.HOST
+
+    @property
+    def count(self) -> int:
+        return int(self.src.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.src[:, 1].sum())

@@ -2,8 +2,8 @@
 
 `plan_runs` splits a pair of page-id lists into runs (maximal stretches where both ids step by
 +1); `build_descriptors` turns runs into one (address, length, device) row per run per layer
-buffer, for the source and the destination side, ready for a transfer engine, each side with the
-one memory kind (host or GPU) of its buffers.
+buffer, for the source and the destination side (`Descriptors`, model.py, what a backend takes),
+each side with the one memory kind (host or GPU) of its buffers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker.model import BufferLayout, MemoryKind
+from kvbroker.model import BufferLayout, Descriptors, MemoryKind
 
 
 @dataclass(frozen=True)
@@ -55,22 +55,6 @@ def plan_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
     np.subtract(starts[1:], starts[:-1], out=length[:-1])
     length[-1] = n - starts[-1]
     return Runs(src[starts], dst[starts], length)
-
-
-@dataclass(frozen=True)
-class Descriptors:
-    src: np.ndarray  # (n, 3) uint64: address, length in bytes, device
-    dst: np.ndarray  # (n, 3) uint64, row i is where src row i lands
-    src_memory_kind: MemoryKind = MemoryKind.HOST
-    dst_memory_kind: MemoryKind = MemoryKind.HOST
-
-    @property
-    def count(self) -> int:
-        return int(self.src.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.src[:, 1].sum())
 
 
 def _u64_row(values: np.ndarray) -> np.ndarray:

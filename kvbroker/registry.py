@@ -32,21 +32,12 @@ from kvbroker.model import (
     EngineSpec,
     LayerBufferSpec,
     MemoryKind,
+    Region,
     SharedMemoryRef,
 )
 from kvbroker.validation import validate_spec
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Region:
-    """A registered byte range, as handed to a transfer engine."""
-
-    address: int
-    length: int
-    device: int
-    gpu: bool
 
 
 @dataclass

@@ -29,14 +29,11 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.config import Settings
-from kvbroker.planner import Descriptors
-from kvbroker.registry import Region
+from kvbroker.backends.base import Backend, BackendOptions, PeerRefs, TransferFailed
+from kvbroker.model import Descriptors, Region
 
 log = logging.getLogger(__name__)
 
@@ -67,35 +64,28 @@ def quiesce_timeout_s(engine_timeout: int, batch_bytes: int) -> float:
     return engine_timeout + batch_bytes * 1e-9 + QUIESCE_SLACK_S
 
 
-@dataclass
-class _Peer:
-    """A peer session as this backend holds it."""
-
-    window: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(PEER_WINDOW))
-    connects: int = 0  # connects not yet matched by a disconnect
-    busy: int = 0  # write() calls running, and batches the engine may still be moving
-
-
 class MooncakeBackend(Backend):
     name = "mooncake"
 
-    def __init__(self, agent_name: str, settings: Settings) -> None:
-        self._agent_name = agent_name
-        self._host = settings.advertised_host
-        self._protocol = settings.mooncake_protocol
-        self._device = settings.mooncake_device
+    def __init__(self, options: BackendOptions) -> None:
+        self._agent_name = options.agent_name
+        self._host = options.advertised_host
+        self._protocol = options.mooncake_protocol
+        self._device = options.mooncake_device
         configured = os.environ.get(TRANSFER_TIMEOUT_ENV)
         self._set_timeout = not configured
-        self._engine_timeout = engine_timeout_s(settings.transfer_timeout_s, configured)
-        if configured and self._engine_timeout < settings.transfer_timeout_s:
+        self._engine_timeout = engine_timeout_s(options.transfer_timeout_s, configured)
+        if configured and self._engine_timeout < options.transfer_timeout_s:
             log.warning("%s=%s: the Mooncake engine abandons a batch after %d s, before transfer_timeout_s (%g s)",
-                        TRANSFER_TIMEOUT_ENV, configured, self._engine_timeout, settings.transfer_timeout_s)
+                        TRANSFER_TIMEOUT_ENV, configured, self._engine_timeout, options.transfer_timeout_s)
         self._engine = None
         self._session = ""
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
         self._writers = concurrent.futures.ThreadPoolExecutor(WRITER_THREADS,
                                                               thread_name_prefix="mooncake-write")
-        self._peers: dict[str, _Peer] = {}
+        # Per peer session, on the event loop: connects, uses (write() calls running and batches the
+        # engine may still be moving), and its window of batches in flight.
+        self._peers: PeerRefs[asyncio.Semaphore] = PeerRefs(lambda: asyncio.Semaphore(PEER_WINDOW))
         self._inflight: dict[concurrent.futures.Future, int] = {}  # batches the engine may still be moving: bytes
 
     async def _call(self, fn, *args):
@@ -160,25 +150,18 @@ class MooncakeBackend(Backend):
         host, _, port = session.rpartition(":")
         if not host or not port.isdigit():
             raise TransferFailed(f"Mooncake peer metadata {session!r} is not a host:port session id")
-        peer = self._peers.get(session)
-        if peer is None:
-            peer = self._peers[session] = _Peer()
+        if self._peers.connect(session):
             log.info("Mooncake peer session connected", extra=self._held(session))
-        peer.connects += 1
         return session
 
     async def disconnect(self, peer: object) -> None:
-        held = self._peers.get(peer)
-        if held is None or held.connects == 0:
+        if not self._peers.disconnect(peer):
             log.warning("Mooncake disconnect of peer session %r without a connect", peer)
             return
-        held.connects -= 1
         self._forget_if_idle(peer)
 
     def _forget_if_idle(self, session: str) -> None:
-        held = self._peers.get(session)
-        if held is not None and not held.connects and not held.busy:
-            del self._peers[session]
+        if self._peers.drop_if_idle(session):
             log.info("Mooncake peer session forgotten", extra=self._held(session))
 
     def _held(self, session: str) -> dict:
@@ -186,20 +169,18 @@ class MooncakeBackend(Backend):
         return {"remote_peer": session, "remote_peers": len(self._peers)}
 
     def writing(self, peer: object) -> bool:
-        held = self._peers.get(peer)
-        return held is not None and held.busy > 0
+        return self._peers.busy(peer)
 
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        held = self._peers.setdefault(peer, _Peer())
-        held.busy += 1
+        held = self._peers.begin(peer)
         running: list[concurrent.futures.Future] = []
         try:
             async with asyncio.timeout(timeout):
                 for start in range(0, descriptors.count, BATCH_DESCRIPTORS):
-                    await held.window.acquire()
-                    running.append(self._submit(loop, held, peer, descriptors, start))
+                    await held.state.acquire()  # the peer's window
+                    running.append(self._submit(loop, held.state, peer, descriptors, start))
                     running = _pending_or_raise(running)
                 await asyncio.gather(*map(_wrap, running))
         except TransferFailed:
@@ -213,26 +194,26 @@ class MooncakeBackend(Backend):
         finally:
             for future in running:
                 future.cancel()  # only batches still queued for a thread; running ones finish in the engine
-            held.busy -= 1
+            self._peers.end(held)
             self._forget_if_idle(peer)
 
-    def _submit(self, loop: asyncio.AbstractEventLoop, held: _Peer, peer: str, descriptors: Descriptors,
-                start: int) -> concurrent.futures.Future:
+    def _submit(self, loop: asyncio.AbstractEventLoop, window: asyncio.Semaphore, peer: str,
+                descriptors: Descriptors, start: int) -> concurrent.futures.Future:
         """Hand one batch to a writer thread; its window slot is freed when the engine is done with it."""
         stop = min(start + BATCH_DESCRIPTORS, descriptors.count)
         try:
             future = self._writers.submit(_write_batch, self._engine, peer, descriptors.src[start:stop],
                                           descriptors.dst[start:stop], start, descriptors.count)
         except BaseException:
-            held.window.release()
+            window.release()
             raise
         self._inflight[future] = int(descriptors.src[start:stop, 1].sum())
-        held.busy += 1
+        batch = self._peers.begin(peer)  # the peer stays until the engine is done with the batch
 
         def finished(f: concurrent.futures.Future) -> None:
-            held.window.release()
+            window.release()
             self._inflight.pop(f, None)
-            held.busy -= 1
+            self._peers.end(batch)
             self._forget_if_idle(peer)
 
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))

@@ -7,8 +7,8 @@ its UCX worker has to progress for transports such as TCP) waits in poll() for U
 a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
 
 A peer broker is a remote agent, loaded by `connect` and named by its metadata; every session of
-one peer epoch shares it. The NIXL thread counts, per remote agent, the connects not yet matched
-by a disconnect and the writes posted and not yet released; the agent is removed when both reach
+one peer epoch shares it. The NIXL thread counts (base.PeerRefs), per remote agent, the connects not
+yet matched by a disconnect and the writes posted and not yet released; the agent is removed when both reach
 zero, so a peer that restarted leaves nothing behind and no write loses its endpoint mid-flight.
 
 Each agent's name carries a random suffix: NIXL refuses new metadata under a name it has loaded,
@@ -24,14 +24,11 @@ import secrets
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.model import MemoryKind
-from kvbroker.planner import Descriptors
-from kvbroker.registry import Region
+from kvbroker.backends.base import Backend, BackendOptions, PeerRef, PeerRefs, TransferFailed
+from kvbroker.model import Descriptors, MemoryKind, Region
 
 log = logging.getLogger(__name__)
 
@@ -44,21 +41,15 @@ _agent_construction = threading.Lock()  # new_agent swaps a module attribute of 
 NIXL_MEMORY = {MemoryKind.HOST: "DRAM", MemoryKind.GPU: "VRAM"}
 
 
-@dataclass
-class _RemoteAgent:
-    connects: int = 0  # connects not yet matched by a disconnect
-    writes: int = 0  # transfers posted towards it and not yet released
-
-
 class NixlBackend(Backend):
     name = "nixl"
 
-    def __init__(self, agent_name: str, settings: object = None) -> None:
-        self._agent_name = f"{agent_name}-{secrets.token_hex(4)}"
+    def __init__(self, options: BackendOptions) -> None:
+        self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
         self._agent = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self._peers: dict[bytes, _RemoteAgent] = {}  # remote agents loaded; read and written on the NIXL thread
-        self._writing: dict[object, int] = {}  # write() calls running per remote agent; on the event loop
+        self._peers = PeerRefs()  # remote agents loaded, uses = transfers posted; on the NIXL thread only
+        self._writing = PeerRefs()  # write() calls running per remote agent; on the event loop only
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -101,11 +92,8 @@ class NixlBackend(Backend):
         # Metadata of an agent already loaded (another engine of the same peer broker) merges into it.
         def load():
             name = self._agent.add_remote_agent(metadata)
-            remote = self._peers.get(name)
-            if remote is None:
-                remote = self._peers[name] = _RemoteAgent()
+            if self._peers.connect(name):
                 log.info("NIXL remote agent connected", extra=_held(name, self._peers))
-            remote.connects += 1
             return name
 
         try:
@@ -115,21 +103,17 @@ class NixlBackend(Backend):
 
     async def disconnect(self, peer: object) -> None:
         def unload():
-            remote = self._peers.get(peer)
-            if remote is None or remote.connects == 0:
+            if not self._peers.disconnect(peer):
                 log.warning("NIXL disconnect of remote agent %r without a connect", peer)
                 return
-            remote.connects -= 1
             self._remove_if_idle(peer)
 
         await self._call(unload)
 
     def _remove_if_idle(self, name: bytes) -> None:
         """On the NIXL thread: drop a remote agent nothing holds and nothing writes to."""
-        remote = self._peers[name]
-        if remote.connects or remote.writes:
+        if not self._peers.drop_if_idle(name):
             return
-        del self._peers[name]
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # it stays loaded; nothing else refers to it
@@ -137,23 +121,22 @@ class NixlBackend(Backend):
             return
         log.info("NIXL remote agent forgotten", extra=_held(name, self._peers))
 
-    def _finish(self, peer: object, handle, counted: bool) -> None:
+    def _finish(self, peer: object, handle, counted: PeerRef | None) -> None:
         """On the NIXL thread: release a transfer; a transfer NIXL could not release keeps its agent."""
-        if _release(self._agent, handle) and counted:
-            self._peers[peer].writes -= 1
+        if _release(self._agent, handle) and counted is not None:
+            self._peers.end(counted)
             self._remove_if_idle(peer)
 
     def writing(self, peer: object) -> bool:
-        return peer in self._writing
+        return self._writing.busy(peer)
 
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
-        self._writing[peer] = self._writing.get(peer, 0) + 1
+        running = self._writing.begin(peer)
         try:
             await self._write(peer, descriptors, timeout)
         finally:
-            self._writing[peer] -= 1
-            if not self._writing[peer]:
-                del self._writing[peer]
+            self._writing.end(running)
+            self._writing.drop_if_idle(peer)
 
     async def _write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
@@ -166,9 +149,7 @@ class NixlBackend(Backend):
             local = self._agent.get_xfer_descs(src, src_kind)
             remote = self._agent.get_xfer_descs(dst, dst_kind)
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
-            counted = (agent := self._peers.get(peer)) is not None
-            if counted:
-                agent.writes += 1
+            counted = self._peers.begin(peer) if peer in self._peers else None
             try:
                 return handle, counted, self._agent.transfer(handle)
             except BaseException:
@@ -206,7 +187,7 @@ class NixlBackend(Backend):
 
     async def close(self) -> None:
         def teardown():
-            for name in list(self._peers):
+            for name in self._peers:
                 try:
                     self._agent.remove_remote_agent(name)
                 except Exception as exc:  # the peer may be gone already
@@ -254,7 +235,7 @@ def _release(agent, handle) -> bool:
         return False
 
 
-def _held(name: bytes, peers: dict) -> dict:
+def _held(name: bytes, peers: PeerRefs) -> dict:
     """Log fields: the remote agent concerned and how many this agent now holds."""
     return {"remote_peer": name.decode(errors="replace") if isinstance(name, bytes) else str(name),
             "remote_peers": len(peers)}

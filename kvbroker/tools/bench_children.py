@@ -89,7 +89,7 @@ async def _direct_setup(command: dict, sender, receiver, state: dict) -> dict:
     A receiver-only child answers with its metadata and its destination pool's address, which the
     parent hands to a sender-only child in another process.
     """
-    from kvbroker.registry import Region
+    from kvbroker.model import Region
     from kvbroker_client.shm import SharedSegment
 
     shape = shapes.ModelShape(**command["shape"])

@@ -21,8 +21,7 @@ import pytest
 
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
-from kvbroker.planner import Descriptors
-from kvbroker.registry import Region
+from kvbroker.model import Descriptors, Region
 from kvbroker.tools.launch import start_broker
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc

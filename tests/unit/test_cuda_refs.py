@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvbroker import convert
+from kvbroker.backends import backend_options
 from kvbroker.backends.mooncake import MooncakeBackend
 from kvbroker.backends.nixl import NixlBackend
 from kvbroker.config import Settings
@@ -29,17 +30,19 @@ from kvbroker.model import (
     ComponentKind,
     ComponentSpec,
     CudaIpcRef,
+    Descriptors,
     EngineSpec,
     KvDtype,
     LayerBufferSpec,
     Layout,
     MemoryKind,
+    Region,
     Role,
     SharedMemoryRef,
     Topology,
 )
-from kvbroker.planner import Descriptors, build_descriptors, plan_runs
-from kvbroker.registry import Region, Registry
+from kvbroker.planner import build_descriptors, plan_runs
+from kvbroker.registry import Registry
 from kvbroker.validation import validate_spec
 from kvbroker_client.model import CudaIpcRef as ClientCudaIpcRef
 from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
@@ -455,7 +458,7 @@ class FakeNixlAgent:
 
 
 def test_nixl_registers_and_writes_gpu_memory_as_vram():
-    backend = NixlBackend("unit")
+    backend = NixlBackend(backend_options(Settings(), "unit"))
     backend._agent = agent = FakeNixlAgent()
 
     async def run():
@@ -471,7 +474,7 @@ def test_nixl_registers_and_writes_gpu_memory_as_vram():
 
 
 def test_mooncake_names_gpu_memory_by_its_device():
-    backend = MooncakeBackend("unit", Settings())
+    backend = MooncakeBackend(backend_options(Settings(), "unit"))
     locations = []
 
     class Engine:

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from kvbroker.backends import backend_options
 from kvbroker.backends.mooncake import (
     QUIESCE_SLACK_S,
     TRANSFER_TIMEOUT_ENV,
@@ -43,7 +44,7 @@ class Engine:
 
 def test_the_engine_is_constructed_under_the_brokers_timeout_and_the_environment_is_put_back(monkeypatch):
     monkeypatch.delenv(TRANSFER_TIMEOUT_ENV, raising=False)
-    backend = MooncakeBackend("unit", Settings(transfer_timeout_s=90.2))
+    backend = MooncakeBackend(backend_options(Settings(transfer_timeout_s=90.2), "unit"))
     try:
         assert backend._construct(Engine).timeout == "91"
         assert TRANSFER_TIMEOUT_ENV not in os.environ
@@ -54,7 +55,7 @@ def test_the_engine_is_constructed_under_the_brokers_timeout_and_the_environment
 
 def test_an_operators_mc_transfer_timeout_is_left_alone(monkeypatch):
     monkeypatch.setenv(TRANSFER_TIMEOUT_ENV, "20")
-    backend = MooncakeBackend("unit", Settings(transfer_timeout_s=90))
+    backend = MooncakeBackend(backend_options(Settings(transfer_timeout_s=90), "unit"))
     try:
         assert backend._construct(Engine).timeout == "20"
         assert backend._engine_timeout == 20
