@@ -15,14 +15,15 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, invalid, not_found
-from kvbroker.model import ComponentKind, EngineLayout, EngineSpec, State, TransferRole
+from kvbroker.model import ComponentKind, EngineSpec, State, TransferRole
+from kvbroker.peer_link import PeerLink, PeerSession
 from kvbroker.planner import build_descriptors, plan_runs
 from kvbroker.registry import Engine, Registry
 from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
@@ -35,25 +36,6 @@ log = logging.getLogger("kvbroker.transfer")
 
 
 @dataclass(frozen=True)
-class PeerSession:
-    """A handshake's result: one remote engine as this broker may write to it."""
-
-    address: str
-    broker_id: str
-    epoch: int
-    generation: int
-    engine: EngineLayout
-    peer_handle: object  # what Backend.connect returned for the peer's metadata
-
-
-@dataclass(frozen=True)
-class ClaimResult:
-    grant: Grant
-    epoch: int
-    generation: int
-
-
-@dataclass(frozen=True)
 class TransferCommand:
     request_id: str
     engine_id: str
@@ -62,16 +44,6 @@ class TransferCommand:
     components: tuple[ComponentKind, ...]
     src_page_ids: np.ndarray
     dst_page_ids: np.ndarray  # empty: the grant's
-
-
-class PeerLink(Protocol):
-    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession: ...
-
-    async def claim(self, session: PeerSession, request_id: str, components: Sequence[ComponentKind],
-                    dst_page_ids: np.ndarray, timeout: float) -> ClaimResult: ...
-
-    async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
-                       status: TransferStatus, timeout: float) -> State: ...
 
 
 @dataclass

@@ -23,7 +23,8 @@ from kvbroker.broker import Broker, Limits
 from kvbroker.config import Settings
 from kvbroker.edge import MalformedRequests
 from kvbroker.metrics import Metrics
-from kvbroker.peer import PeerClients, PeerServicer
+from kvbroker.peer_clients import PeerClients
+from kvbroker.peer_service import PeerServicer
 from kvbroker.service import BrokerServicer
 from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
 

@@ -16,7 +16,7 @@ from kvbroker import convert
 from kvbroker.backends.base import Backend
 from kvbroker.metrics import Metrics
 from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, EngineLayout, KvDtype, Layout, Role, Topology
-from kvbroker.peer import PeerClients
+from kvbroker.peer_clients import PeerClients
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 

@@ -1,4 +1,4 @@
-"""Broker to broker: the PeerService servicer (the receiving side) and PeerClients (the sending side).
+"""Broker to broker, the sending side: PeerClients, the PeerLink (peer_link.py) a Broker is built with.
 
 PeerClients caches one channel per peer address and one handshake per (address, engine); a new
 epoch or registry generation seen in a claim, or a transport failure, makes the next use refresh.
@@ -12,14 +12,8 @@ into the clock, and clocks step), so handshake answers are ordered by when they 
 answer with another epoch than the newest applied, to a handshake sent before that one, comes
 from the process the peer has since replaced: it is given back and the handshake is sent again.
 
-Idle peers: an address not used for `idle_s` (no handshake, claim or completion notice through
-it, no handshake served from the cache, no write through one of its handles) is forgotten: its
-handshakes and parked handles are given back, its channel closed, its record dropped. A replaced
-pod's old address is never dialed again, so nothing else would ever let go of it. A sweeper task,
-started with the first address used and ending when none is left (close cancels it), sleeps until
-the earliest address falls due; an address with a call or a write running (Backend.writing) is
-not due. A transfer uses its address from the handshake to the completion notice with no await
-in between where it holds none of these, so the sweeper never takes a peer from under it.
+An address left unused is forgotten by the idle policy, IdlePeers (peer_idle.py). The receiving
+side is peer_service.py.
 """
 
 from __future__ import annotations
@@ -36,57 +30,20 @@ import numpy as np
 
 from kvbroker import convert
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.broker import Broker, ClaimResult, PeerSession
-from kvbroker.edge import from_rpc_error, translate_errors
+from kvbroker.edge import from_rpc_error
 from kvbroker.errors import BrokerError, Code
 from kvbroker.metrics import Metrics
 from kvbroker.model import ComponentKind, State
+from kvbroker.peer_idle import IdlePeers
+from kvbroker.peer_link import ClaimResult, PeerSession
 from kvbroker.transfers import Grant, TransferStatus
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvbroker.peer")  # as before the split of peer.py: operators filter on it
 
 _TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
-
-
-class PeerServicer(ppb_grpc.PeerServiceServicer):
-    def __init__(self, broker: Broker) -> None:
-        self._broker = broker
-
-    @translate_errors
-    async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
-        backend = self._broker.backend
-        if request.backend != backend.name:
-            raise BrokerError(Code.FAILED_PRECONDITION,
-                              f"backend: caller uses {request.backend!r}, this broker uses {backend.name!r}")
-        engine = self._broker.handshake_view(request.engine_id)
-        return ppb.HandshakeResponse(
-            broker_id=self._broker.broker_id, epoch=self._broker.epoch, generation=engine.generation,
-            backend=backend.name, backend_metadata=await backend.metadata(),
-            engine=convert.engine_layout_out(engine.layout),
-        )
-
-    @translate_errors
-    async def ClaimGrant(self, request: ppb.ClaimGrantRequest, context) -> ppb.ClaimGrantResponse:
-        grant, generation = self._broker.claim(
-            request.engine_id, request.request_id, convert.components_in(request.components),
-            convert.page_ids_in(request.dst_page_ids), claimant=request.broker_id,
-        )
-        return ppb.ClaimGrantResponse(
-            dst_page_ids=grant.dst_page_ids.tolist(), epoch=self._broker.epoch, generation=generation,
-            claim_token=grant.claim_token, remaining_ms=int(grant.remaining_s * 1000),
-        )
-
-    @translate_errors
-    async def CompleteTransfer(self, request: ppb.CompleteTransferRequest, context) -> ppb.CompleteTransferResponse:
-        state = self._broker.complete(
-            request.engine_id, request.request_id, request.claim_token, request.broker_id,
-            succeeded=request.succeeded, code=request.code, reason=request.reason, pages=request.pages,
-            runs=request.runs, nbytes=request.bytes, truncated=request.truncated_pages,
-        )
-        return ppb.CompleteTransferResponse(state=int(state))
 
 
 @dataclass
@@ -108,7 +65,6 @@ class PeerClients:
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
-        self._idle_s = idle_s
         self._options = list(channel_options)
         self._credentials = credentials
         self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub]] = {}
@@ -117,10 +73,7 @@ class PeerClients:
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
         self._closing: set[asyncio.Task] = set()  # disconnects and channel closes under way
         self._sent = itertools.count(1)  # handshakes, in the order they are sent
-        self._used: dict[str, float] = {}  # address → loop time it was last used
-        self._calls: dict[str, int] = {}  # address → calls through it now running
-        self._sweeper: asyncio.Task | None = None
-        self._closed = False
+        self._idle = IdlePeers(idle_s, busy=self._writing_through, forget=self._forget_idle)
         self.records: dict[str, PeerRecord] = {}
 
     def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
@@ -163,41 +116,8 @@ class PeerClients:
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
         self._close_channel(address)
 
-    # -- idle addresses -------------------------------------------------------------------------
-    def _begin(self, address: str) -> None:
-        """A call through `address` starts: it is in use until `_end`."""
-        self._calls[address] = self._calls.get(address, 0) + 1
-        self._used[address] = asyncio.get_running_loop().time()
-        if not self._closed and (self._sweeper is None or self._sweeper.done()):
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="peer idle sweeper")
-            self._sweeper.add_done_callback(_sweeper_ended)
-
-    def _end(self, address: str) -> None:
-        self._used[address] = asyncio.get_running_loop().time()
-        self._calls[address] -= 1
-        if not self._calls[address]:
-            del self._calls[address]
-
-    async def _sweep(self) -> None:
-        """Forget each address once it has been idle for idle_s; end when no address is left."""
-        loop = asyncio.get_running_loop()
-        while self._used:
-            now = loop.time()
-            due = now + self._idle_s  # an address in use is looked at again after idle_s at the latest
-            for address, used in list(self._used.items()):
-                if self._in_use(address):
-                    continue
-                if now - used >= self._idle_s:
-                    self._forget_idle(address, now - used)
-                else:
-                    due = min(due, used + self._idle_s)
-            if self._used:
-                await asyncio.sleep(due - now)
-
-    def _in_use(self, address: str) -> bool:
-        """A call through the address runs, or the transfer engine writes through one of its handles."""
-        if address in self._calls:
-            return True
+    def _writing_through(self, address: str) -> bool:
+        """Whether the transfer engine writes through one of the address's handles."""
         handles = [s.peer_handle for k, s in self._sessions.items() if k[0] == address]
         return any(self._backend.writing(h) for h in handles + self._parked.get(address, []))
 
@@ -206,16 +126,14 @@ class PeerClients:
         self._disconnect(handles)
         self._close_channel(address)
         record = self.records.pop(address, None)
-        del self._used[address]
         log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
                                                 "idle_s": round(idle, 3), "handshakes_given_back": len(handles)})
 
-    # -- calls ----------------------------------------------------------------------------------
     async def _rpc(self, address: str, method: str, request, timeout: float):
         loop = asyncio.get_running_loop()
         timeout = max(timeout, 0.001)
         deadline = loop.time() + timeout
-        self._begin(address)
+        self._idle.begin(address)
         try:
             return await getattr(self._stub(address), method)(request, timeout=timeout, wait_for_ready=False)
         except grpc.aio.AioRpcError as exc:
@@ -230,14 +148,14 @@ class PeerClients:
                                   f"peer broker {address}: TLS authentication failed: {exc.details()}") from None
             raise from_rpc_error(exc, f"peer broker {address}") from None
         finally:
-            self._end(address)
+            self._idle.end(address)
 
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:
-        self._begin(address)
+        self._idle.begin(address)
         try:
             return await self._session(address, engine_id, refresh, timeout)
         finally:
-            self._end(address)
+            self._idle.end(address)
 
     async def _session(self, address: str, engine_id: str, refresh: bool, timeout: float) -> PeerSession:
         key = (address, engine_id)
@@ -331,24 +249,15 @@ class PeerClients:
                                             f"for the grant") from None
 
     async def close(self) -> None:
-        self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.wait([self._sweeper], timeout=CLOSE_WAIT_S)
+        await self._idle.close(CLOSE_WAIT_S)
         for address in list(self._channels):
             self._close_channel(address)
         handles = [s.peer_handle for s in self._sessions.values()] + [h for p in self._parked.values() for h in p]
         self._sessions.clear()
         self._parked.clear()
-        self._used.clear()
         self._disconnect(handles)
         if self._closing:
             _, late = await asyncio.wait(list(self._closing), timeout=CLOSE_WAIT_S)
             if late:
                 log.warning("%d peer channels or transfer-engine peers not released within %.0fs", len(late),
                             CLOSE_WAIT_S)
-
-
-def _sweeper_ended(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("the peer idle sweeper failed: %r", task.exception(), exc_info=task.exception())
