@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -69,10 +68,10 @@ class Limits:
 
 
 class Broker:
-    def __init__(self, broker_id: str, backend: Backend, limits: Limits, peers: PeerLink | None = None,
+    def __init__(self, broker_id: str, epoch: int, backend: Backend, limits: Limits, peers: PeerLink,
                  metrics: Metrics | None = None) -> None:
         self.broker_id = broker_id
-        self.epoch = time.time_ns() ^ (os.getpid() << 20)
+        self.epoch = epoch  # this process's: new_epoch() in server.py, also handed to the peer clients
         self.backend = backend
         self.limits = limits
         self.peers = peers
@@ -279,7 +278,6 @@ class Broker:
                     caller_bound: bool) -> None:
         """Handshake, rules, claim, plan, write, tell the receiver. `caller_bound`: the budget is the
         caller's deadline (its expiry is DEADLINE_EXCEEDED), not the broker's transfer_timeout_s."""
-        assert self.peers is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         left = lambda: max(0.0, deadline - loop.time())  # noqa: E731

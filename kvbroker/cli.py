@@ -15,52 +15,24 @@ neither the tooling nor numpy.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 from kvbroker import logs, probe, status
 from kvbroker.config import Settings, add_settings_arguments, settings_from_args
 
-log = logging.getLogger("kvbroker")
-
 
 async def serve(settings: Settings) -> int:
     from kvbroker.server import BrokerServer
 
-    server = BrokerServer(settings)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = 0
+    def ready(endpoints) -> None:  # the line launch.py and operators wait for
+        print(json.dumps({"event": "ready", "listen": endpoints.listen, "peer_listen": endpoints.peer_listen,
+                          "peer_address": endpoints.peer_address, "metrics_listen": endpoints.metrics_listen,
+                          "broker_id": settings.broker_id, "pid": os.getpid()}), flush=True)
 
-    def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            log.info("received %s: draining (send again to force)", signal.Signals(signum).name)
-            stop.set()
-        else:
-            log.warning("received %s again: exiting now", signal.Signals(signum).name)
-            os._exit(130)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, on_signal, signum)
-    try:
-        endpoints = await server.startup()
-    except Exception as exc:
-        log.error("startup failed: %s", exc)
-        await server.shutdown(0)
-        return 1
-    print(json.dumps({"event": "ready", "listen": endpoints.listen, "peer_listen": endpoints.peer_listen,
-                      "peer_address": endpoints.peer_address, "metrics_listen": endpoints.metrics_listen,
-                      "broker_id": settings.broker_id, "pid": os.getpid()}), flush=True)
-    await stop.wait()
-    await server.shutdown()
-    return 0
+    return await BrokerServer(settings).serve(ready)
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:

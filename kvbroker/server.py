@@ -1,16 +1,23 @@
-"""Assembles and runs one broker: startup() → wait → shutdown(), built from one Settings object.
+"""Assembles and runs one broker: `BrokerServer.serve()` is startup() → wait → shutdown(), built
+from one Settings object, with the signals captured for as long as it runs.
 
-startup: backend, Broker, both gRPC servers (local API and peer API, each with health and
-reflection), listeners bound, the metrics endpoint if configured, health SERVING. shutdown:
-NOT_SERVING at once, drain in-flight transfers within the grace period, stop the servers, release
-engines and the backend, stop the metrics endpoint.
+startup: backend, epoch, peer clients, Broker, both gRPC servers (local API and peer API, each
+with health and reflection), listeners bound, the metrics endpoint if configured, health SERVING.
+wait: until the first SIGTERM or SIGINT (`capture_signals`; a second one forces an exit).
+shutdown: NOT_SERVING at once, drain in-flight transfers within the grace period, stop the
+servers, release engines and the backend, stop the metrics endpoint. Tests call startup and
+shutdown directly; `kvbroker serve` (cli.py) calls serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +49,11 @@ class Endpoints:
     metrics_listen: str = ""  # the metrics endpoint as bound; empty when off
 
 
+def new_epoch() -> int:
+    """This broker process's epoch: different on every start (the clock, mixed with the pid), not ordered."""
+    return time.time_ns() ^ (os.getpid() << 20)
+
+
 def _read(path: str) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
@@ -69,6 +81,39 @@ def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredent
         raise OSError(f"cannot bind {address}")
     host = address.rpartition(":")[0]
     return f"{host}:{port}"
+
+
+FORCED_EXIT = 130  # the exit status when a second signal cuts the drain short
+
+
+@contextlib.contextmanager
+def capture_signals(stop: asyncio.Event, signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)
+                    ) -> Iterator[None]:
+    """While inside: the first of `signals` sets `stop` (drain, then exit), a second one exits the
+    process at once with os._exit(FORCED_EXIT). The handlers found on entry are put back on exit."""
+    loop = asyncio.get_running_loop()
+    received = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal received
+        received += 1
+        if received == 1:
+            log.info("received %s: draining (send again to force)", signal.Signals(signum).name)
+            stop.set()
+        else:
+            log.warning("received %s again: exiting now", signal.Signals(signum).name)
+            os._exit(FORCED_EXIT)
+
+    previous = {signum: signal.getsignal(signum) for signum in signals}
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            loop.remove_signal_handler(signum)
+            if handler is not None:  # None: not installed from Python, nothing to put back
+                signal.signal(signum, handler)
 
 
 class BrokerServer:
@@ -102,18 +147,17 @@ class BrokerServer:
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
         limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
                         s.transfer_timeout_s, s.peer_rpc_timeout_s)
-        broker = Broker(s.broker_id, backend, limits, metrics=self.metrics)
-        await broker.start()
-        self.broker = broker
+        epoch = new_epoch()
         server_credentials, channel_credentials = peer_credentials(s)
         channel_options = [("grpc.max_receive_message_length", s.max_message_bytes),
                            ("grpc.max_send_message_length", s.max_message_bytes)]
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
-        self._peers = PeerClients(broker.broker_id, broker.epoch, backend, idle_s=s.peer_idle_s,
-                                  channel_options=channel_options, credentials=channel_credentials,
-                                  metrics=self.metrics)
-        broker.peers = self._peers
+        peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, channel_options=channel_options,
+                            credentials=channel_credentials, metrics=self.metrics)
+        broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics)
+        await broker.start()
+        self.broker, self._peers = broker, peers
 
         peer_server = self._grpc_server(PEER_SERVICE)
         peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker), peer_server)
@@ -140,6 +184,23 @@ class BrokerServer:
         log.info("broker serving", extra={"listen": listen, "peer_listen": peer_listen, "backend": backend.name,
                                           "broker_id": broker.broker_id, "metrics_listen": metrics_listen})
         return self.endpoints
+
+    async def serve(self, ready: Callable[[Endpoints], None] | None = None) -> int:
+        """Start, call `ready` with the bound endpoints, serve until a signal, shut down. Returns the
+        exit status: 0, or 1 when startup failed (what was started is shut down again)."""
+        stop = asyncio.Event()
+        with capture_signals(stop):
+            try:
+                endpoints = await self.startup()
+            except Exception as exc:
+                log.error("startup failed: %s", exc)
+                await self.shutdown(0)
+                return 1
+            if ready is not None:
+                ready(endpoints)
+            await stop.wait()
+            await self.shutdown()
+        return 0
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
