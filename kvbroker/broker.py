@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker import topology
-from kvbroker.backends.base import Backend, TransferFailed
+from kvbroker.backends.base import Backend
 from kvbroker.errors import BrokerError, Code, invalid, not_found
 from kvbroker.model import ComponentKind, EngineSpec, State, TransferRole
-from kvbroker.peer_link import PeerLink, PeerSession
-from kvbroker.planner import build_descriptors, plan_runs
+from kvbroker.peer_link import PeerLink
 from kvbroker.registry import Engine, Registry
+from kvbroker.sender import Sender, TransferCommand
 from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
 from kvbroker.validation import check_components, check_identifier, check_page_ids, registered_pages
 
@@ -32,17 +31,6 @@ if TYPE_CHECKING:
     from kvbroker.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
-
-
-@dataclass(frozen=True)
-class TransferCommand:
-    request_id: str
-    engine_id: str
-    peer_address: str
-    remote_engine_id: str
-    components: tuple[ComponentKind, ...]
-    src_page_ids: np.ndarray
-    dst_page_ids: np.ndarray  # empty: the grant's
 
 
 @dataclass
@@ -74,9 +62,9 @@ class Broker:
         self.epoch = epoch  # this process's: new_epoch() in server.py, also handed to the peer clients
         self.backend = backend
         self.limits = limits
-        self.peers = peers
         self.registry = Registry(limits.max_pages_per_request, observer=metrics)
         self.table = TransferTable(observer=metrics)  # it also logs each request's end
+        self.sender = Sender(self.registry, self.table, backend, peers, limits)
         self.accepting = True
         self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
         self._register_lock = asyncio.Lock()
@@ -249,118 +237,9 @@ class Broker:
 
     # -- sender side ----------------------------------------------------------------------------
     async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
-        """Validate locally, then run the request as a task the table owns; await its outcome."""
+        """Run one Transfer through the sender pipeline (sender.py); its terminal status."""
         self._check_accepting()
-        check_identifier(cmd.request_id, "request_id")
-        check_identifier(cmd.remote_engine_id, "remote_engine_id")
-        if not cmd.peer_address:
-            raise invalid("peer_address: the peer broker's address is required")
-        engine = self.registry.get(cmd.engine_id)
-        kinds = check_components(cmd.components, "components")
-        num_pages = registered_pages(engine.layout, kinds)
-        check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self.limits.max_pages_per_request,
-                       unique=False)
-        if cmd.dst_page_ids.size:
-            check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
-                           self.limits.max_pages_per_request, unique=True)
-        budget = self.limits.transfer_timeout_s if timeout is None else min(timeout, self.limits.transfer_timeout_s)
-        record = self.table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
-        caller_bound = timeout is not None and timeout <= self.limits.transfer_timeout_s
-        record.task = asyncio.create_task(self._send(record, engine, cmd, budget, caller_bound),
-                                          name=f"transfer {cmd.engine_id}/{cmd.request_id}")
-        await asyncio.shield(record.task)
-        status = record.snapshot()
-        if status.state is State.FAILED:
-            raise BrokerError(Code(status.code), status.reason)
-        return status
-
-    async def _send(self, record: TransferRecord, engine: Engine, cmd: TransferCommand, budget: float,
-                    caller_bound: bool) -> None:
-        """Handshake, rules, claim, plan, write, tell the receiver. `caller_bound`: the budget is the
-        caller's deadline (its expiry is DEADLINE_EXCEEDED), not the broker's transfer_timeout_s."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        left = lambda: max(0.0, deadline - loop.time())  # noqa: E731
-        token = ""
-        reached_peer = False
-        try:
-            async with asyncio.timeout(budget):
-                session = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=False,
-                                                   timeout=min(left(), self.limits.peer_rpc_timeout_s))
-                reached_peer = True
-                session = await self._apply_rules(engine, session, cmd, record.components, left)
-                claimed = await self.peers.claim(session, cmd.request_id, record.components, cmd.dst_page_ids,
-                                                 timeout=min(left(), self.limits.peer_rpc_timeout_s))
-                token = claimed.grant.claim_token
-                if (claimed.epoch, claimed.generation) != (session.epoch, session.generation):
-                    session = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=True,
-                                                       timeout=min(left(), self.limits.peer_rpc_timeout_s))
-                    topology.check_transfer(engine.layout, session.engine, record.components)
-                src, dst, truncated = topology.truncate_page_lists(cmd.src_page_ids, claimed.grant.dst_page_ids)
-                remote_pages = registered_pages(session.engine, record.components)
-                # The receiver checked its grant; this guards our writes against a peer that lies about it.
-                check_page_ids(dst, "dst_page_ids", remote_pages, self.limits.max_pages_per_request, unique=False)
-                runs = plan_runs(src, dst)
-                src_buffers = [b for k in record.components for b in engine.layout.components[k].buffers]
-                dst_buffers = [b for k in record.components for b in session.engine.components[k].buffers]
-                descriptors = build_descriptors(runs, src_buffers, dst_buffers)
-                self.table.start(record)
-                write_budget = min(left(), claimed.grant.remaining_s)
-                try:
-                    await self.backend.write(session.peer_handle, descriptors, write_budget)
-                except TransferFailed as exc:
-                    raise BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}") from exc
-                except TimeoutError as exc:  # the caller's deadline, or an engine that stopped making progress
-                    code = Code.DEADLINE_EXCEEDED if caller_bound and left() <= 0.01 else Code.ABORTED
-                    raise BrokerError(code, f"transfer engine {self.backend.name}: {exc}") from exc
-                record.pages, record.runs, record.bytes, record.truncated_pages = (
-                    runs.pages, runs.count, descriptors.nbytes, truncated)
-                state = await self.peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, token,
-                                                  record.snapshot(),
-                                                  timeout=min(left(), self.limits.peer_rpc_timeout_s))
-                if state is not State.SUCCEEDED:
-                    raise BrokerError(Code.ABORTED, f"receiver reports the grant as {state.name} after the write")
-                self.table.succeed(record, pages=runs.pages, runs=runs.count, nbytes=descriptors.nbytes,
-                                   truncated=truncated)
-        except TimeoutError:
-            self.table.fail(record, Code.DEADLINE_EXCEEDED if caller_bound else Code.UNAVAILABLE,
-                            f"transfer did not complete within {budget:.3f}s")
-        except BrokerError as exc:
-            self.table.fail(record, exc.code, exc.message)
-        except asyncio.CancelledError:
-            self.table.fail(record, record.code or Code.CANCELLED, record.reason or "transfer was cancelled")
-        except Exception as exc:  # a bug must end the request, not wedge it
-            log.exception("transfer %s failed unexpectedly", cmd.request_id)
-            self.table.fail(record, Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
-        finally:
-            record.task = None
-            if record.state is State.FAILED and reached_peer:
-                await self._tell_peer_failed(cmd, token, record)
-
-    async def _apply_rules(self, engine: Engine, session: PeerSession, cmd: TransferCommand,
-                           kinds: tuple[ComponentKind, ...], left) -> PeerSession:
-        """Check every topology rule; a cached handshake that fails is refreshed once before refusing,
-        since the peer engine may have re-registered since."""
-        try:
-            topology.check_transfer(engine.layout, session.engine, kinds)
-            return session
-        except BrokerError:
-            fresh = await self.peers.session(cmd.peer_address, cmd.remote_engine_id, refresh=True,
-                                             timeout=min(left(), self.limits.peer_rpc_timeout_s))
-            if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
-                raise
-            topology.check_transfer(engine.layout, fresh.engine, kinds)
-            return fresh
-
-    async def _tell_peer_failed(self, cmd: TransferCommand, token: str, record: TransferRecord) -> None:
-        if record.code == Code.PERMISSION_DENIED or record.code == Code.NOT_FOUND:
-            return  # the grant refused us (or is not there): it is not ours to fail
-        try:
-            await asyncio.shield(self.peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id,
-                                                     token, record.snapshot(),
-                                                     timeout=self.limits.peer_rpc_timeout_s))
-        except (BrokerError, TimeoutError, asyncio.CancelledError) as exc:
-            log.debug("could not tell %s that %s failed: %s", cmd.peer_address, cmd.request_id, exc)
+        return await self.sender.transfer(cmd, timeout)
 
     # -- both sides -----------------------------------------------------------------------------
     def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
@@ -377,7 +256,7 @@ class Broker:
             return 0
         task = record.task
         if task is not None and not task.done():
-            record.code, record.reason = int(code), reason  # _send fails the record with these
+            record.code, record.reason = int(code), reason  # the sender fails the record with these
             task.cancel()
             await asyncio.wait([task], timeout=self.limits.peer_rpc_timeout_s * 2)
             return 1

@@ -1,5 +1,7 @@
 """Page ids → runs → descriptors. Pure, vectorised numpy; no I/O.
 
+`plan_transfer` is the sender's plan for one transfer between two engine layouts: the page lists
+cut to equal length (rule truncate), the destination ids guarded, then runs and descriptors.
 `plan_runs` splits a pair of page-id lists into runs (maximal stretches where both ids step by
 +1); `build_descriptors` turns runs into one (address, length, device) row per run per layer
 buffer, for the source and the destination side (`Descriptors`, model.py, what a backend takes),
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker.model import BufferLayout, Descriptors, MemoryKind
+from kvbroker import topology
+from kvbroker.model import BufferLayout, ComponentKind, Descriptors, EngineLayout, MemoryKind
+from kvbroker.validation import check_page_ids, registered_pages
 
 
 @dataclass(frozen=True)
@@ -96,3 +100,26 @@ def build_descriptors(
     return Descriptors(
         _side(src_buffers, runs.src_start, runs.length), _side(dst_buffers, runs.dst_start, runs.length), *kinds
     )
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What one transfer writes: its runs, their descriptors, and how many pages equal lengths cost."""
+
+    runs: Runs
+    descriptors: Descriptors
+    truncated: int  # pages dropped from the longer page list (rule truncate)
+
+
+def plan_transfer(src: EngineLayout, dst: EngineLayout, components: Sequence[ComponentKind],
+                  src_page_ids: np.ndarray, dst_page_ids: np.ndarray, *, max_pages: int) -> TransferPlan:
+    """The writes that move `components` from engine `src` to engine `dst`, whose layouts passed the
+    topology rules: both page lists cut to the shorter, the destination ids checked against the
+    receiver's pages (it checked its grant; this guards our writes against a peer that lies about
+    it), then one descriptor per run per layer buffer, the components' buffers in the order given."""
+    src_ids, dst_ids, truncated = topology.truncate_page_lists(src_page_ids, dst_page_ids)
+    check_page_ids(dst_ids, "dst_page_ids", registered_pages(dst, components), max_pages, unique=False)
+    runs = plan_runs(src_ids, dst_ids)
+    src_buffers = [b for k in components for b in src.components[k].buffers]
+    dst_buffers = [b for k in components for b in dst.components[k].buffers]
+    return TransferPlan(runs, build_descriptors(runs, src_buffers, dst_buffers), truncated)

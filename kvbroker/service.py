@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 
 from kvbroker import __version__, convert
-from kvbroker.broker import Broker, TransferCommand
+from kvbroker.broker import Broker
 from kvbroker.edge import details, status_code, translate_errors
 from kvbroker.errors import BrokerError
 from kvbroker.peer_clients import PeerClients
+from kvbroker.sender import TransferCommand
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 

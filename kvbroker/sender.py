@@ -1,0 +1,204 @@
+"""The sender pipeline: one Transfer, from its local checks to the receiver's notice.
+
+`Sender.transfer` (called by the Broker) checks the request against the local engine, adds the
+sender's record to the TransferTable and runs `_send` as the task that record owns (the Broker's
+cancel and drain cancel it there); it returns the request's terminal status. `_send` reads as its
+phases, each a short method:
+
+    session  the receiver's engine, from a cached or a new handshake (PeerLink.session)
+    rules    every topology rule of topology.py; a failing cached handshake is refreshed once
+    claim    the receiver's grant (PeerLink.claim); a changed epoch or generation refreshes the handshake
+    plan     page lists → runs → descriptors (planner.plan_transfer, pure)
+    write    TRANSFERRING, then the transfer engine moves the bytes (Backend.write)
+    notify   CompleteTransfer to the receiver (PeerLink.complete), then SUCCEEDED
+
+Any failure fails the record with the code and message of what raised; once the peer was reached,
+the receiver is told of the failure too, unless the grant refused us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvbroker import topology
+from kvbroker.backends.base import Backend, TransferFailed
+from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.model import ComponentKind, State
+from kvbroker.peer_link import PeerLink, PeerSession
+from kvbroker.planner import TransferPlan, plan_transfer
+from kvbroker.registry import Engine, Registry
+from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.validation import check_components, check_identifier, check_page_ids, registered_pages
+
+if TYPE_CHECKING:
+    from kvbroker.broker import Limits
+
+log = logging.getLogger("kvbroker.transfer")
+
+
+@dataclass(frozen=True)
+class TransferCommand:
+    request_id: str
+    engine_id: str
+    peer_address: str
+    remote_engine_id: str
+    components: tuple[ComponentKind, ...]
+    src_page_ids: np.ndarray
+    dst_page_ids: np.ndarray  # empty: the grant's
+
+
+@dataclass
+class _Send:
+    """One transfer on its way: what its phases read, and what its failure path needs to know."""
+
+    record: TransferRecord
+    engine: Engine
+    cmd: TransferCommand
+    budget: float
+    caller_bound: bool  # the budget is the caller's deadline (its expiry is DEADLINE_EXCEEDED), not transfer_timeout_s
+    deadline: float  # loop time
+    token: str = ""  # the claim's, once claimed
+    reached_peer: bool = False
+
+    def left(self) -> float:
+        return max(0.0, self.deadline - asyncio.get_running_loop().time())
+
+
+class Sender:
+    def __init__(self, registry: Registry, table: TransferTable, backend: Backend, peers: PeerLink,
+                 limits: Limits) -> None:
+        self._registry = registry
+        self._table = table
+        self._backend = backend
+        self._peers = peers
+        self._limits = limits
+
+    async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
+        """Validate locally, then run the request as a task the table owns; await its outcome."""
+        check_identifier(cmd.request_id, "request_id")
+        check_identifier(cmd.remote_engine_id, "remote_engine_id")
+        if not cmd.peer_address:
+            raise invalid("peer_address: the peer broker's address is required")
+        engine = self._registry.get(cmd.engine_id)
+        kinds = check_components(cmd.components, "components")
+        num_pages = registered_pages(engine.layout, kinds)
+        check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self._limits.max_pages_per_request,
+                       unique=False)
+        if cmd.dst_page_ids.size:
+            check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
+                           self._limits.max_pages_per_request, unique=True)
+        limit = self._limits.transfer_timeout_s
+        budget = limit if timeout is None else min(timeout, limit)
+        record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
+        caller_bound = timeout is not None and timeout <= limit
+        record.task = asyncio.create_task(self._send(record, engine, cmd, budget, caller_bound),
+                                          name=f"transfer {cmd.engine_id}/{cmd.request_id}")
+        await asyncio.shield(record.task)
+        status = record.snapshot()
+        if status.state is State.FAILED:
+            raise BrokerError(Code(status.code), status.reason)
+        return status
+
+    async def _send(self, record: TransferRecord, engine: Engine, cmd: TransferCommand, budget: float,
+                    caller_bound: bool) -> None:
+        """Session, rules, claim, plan, write, notify; every way out ends the record."""
+        job = _Send(record, engine, cmd, budget, caller_bound, asyncio.get_running_loop().time() + budget)
+        try:
+            async with asyncio.timeout(budget):
+                session = await self._session(job)
+                session = await self._rules(job, session)
+                session, grant = await self._claim(job, session)
+                plan = plan_transfer(engine.layout, session.engine, record.components, cmd.src_page_ids,
+                                     grant.dst_page_ids, max_pages=self._limits.max_pages_per_request)
+                await self._write(job, session, grant, plan)
+                await self._notify(job, plan)
+        except TimeoutError:
+            self._table.fail(record, Code.DEADLINE_EXCEEDED if caller_bound else Code.UNAVAILABLE,
+                             f"transfer did not complete within {budget:.3f}s")
+        except BrokerError as exc:
+            self._table.fail(record, exc.code, exc.message)
+        except asyncio.CancelledError:
+            self._table.fail(record, record.code or Code.CANCELLED, record.reason or "transfer was cancelled")
+        except Exception as exc:  # a bug must end the request, not wedge it
+            log.exception("transfer %s failed unexpectedly", cmd.request_id)
+            self._table.fail(record, Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            record.task = None
+            if record.state is State.FAILED and job.reached_peer:
+                await self._tell_peer_failed(job)
+
+    def _rpc_timeout(self, job: _Send) -> float:
+        return min(job.left(), self._limits.peer_rpc_timeout_s)
+
+    async def _handshake(self, job: _Send, *, refresh: bool) -> PeerSession:
+        return await self._peers.session(job.cmd.peer_address, job.cmd.remote_engine_id, refresh=refresh,
+                                         timeout=self._rpc_timeout(job))
+
+    async def _session(self, job: _Send) -> PeerSession:
+        session = await self._handshake(job, refresh=False)
+        job.reached_peer = True
+        return session
+
+    async def _rules(self, job: _Send, session: PeerSession) -> PeerSession:
+        """Check every topology rule; a cached handshake that fails is refreshed once before refusing,
+        since the peer engine may have re-registered since."""
+        kinds = job.record.components
+        try:
+            topology.check_transfer(job.engine.layout, session.engine, kinds)
+            return session
+        except BrokerError:
+            fresh = await self._handshake(job, refresh=True)
+            if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
+                raise
+            topology.check_transfer(job.engine.layout, fresh.engine, kinds)
+            return fresh
+
+    async def _claim(self, job: _Send, session: PeerSession) -> tuple[PeerSession, Grant]:
+        """The receiver's grant; when it answers from another epoch or registry generation than the
+        handshake's, the handshake is refreshed and the rules checked again."""
+        claimed = await self._peers.claim(session, job.cmd.request_id, job.record.components, job.cmd.dst_page_ids,
+                                          timeout=self._rpc_timeout(job))
+        job.token = claimed.grant.claim_token
+        if (claimed.epoch, claimed.generation) != (session.epoch, session.generation):
+            session = await self._handshake(job, refresh=True)
+            topology.check_transfer(job.engine.layout, session.engine, job.record.components)
+        return session, claimed.grant
+
+    async def _write(self, job: _Send, session: PeerSession, grant: Grant, plan: TransferPlan) -> None:
+        self._table.start(job.record)
+        write_budget = min(job.left(), grant.remaining_s)
+        try:
+            await self._backend.write(session.peer_handle, plan.descriptors, write_budget)
+        except TransferFailed as exc:
+            raise BrokerError(Code.ABORTED, f"transfer engine {self._backend.name}: {exc}") from exc
+        except TimeoutError as exc:  # the caller's deadline, or an engine that stopped making progress
+            code = Code.DEADLINE_EXCEEDED if job.caller_bound and job.left() <= 0.01 else Code.ABORTED
+            raise BrokerError(code, f"transfer engine {self._backend.name}: {exc}") from exc
+
+    async def _notify(self, job: _Send, plan: TransferPlan) -> None:
+        """Tell the receiver what was written; the request succeeds once it agrees."""
+        record, cmd, runs = job.record, job.cmd, plan.runs
+        record.pages, record.runs, record.bytes, record.truncated_pages = (
+            runs.pages, runs.count, plan.descriptors.nbytes, plan.truncated)
+        state = await self._peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, job.token,
+                                           record.snapshot(), timeout=self._rpc_timeout(job))
+        if state is not State.SUCCEEDED:
+            raise BrokerError(Code.ABORTED, f"receiver reports the grant as {state.name} after the write")
+        self._table.succeed(record, pages=runs.pages, runs=runs.count, nbytes=plan.descriptors.nbytes,
+                            truncated=plan.truncated)
+
+    async def _tell_peer_failed(self, job: _Send) -> None:
+        record, cmd = job.record, job.cmd
+        if record.code == Code.PERMISSION_DENIED or record.code == Code.NOT_FOUND:
+            return  # the grant refused us (or is not there): it is not ours to fail
+        try:
+            await asyncio.shield(self._peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id,
+                                                      job.token, record.snapshot(),
+                                                      timeout=self._limits.peer_rpc_timeout_s))
+        except (BrokerError, TimeoutError, asyncio.CancelledError) as exc:
+            log.debug("could not tell %s that %s failed: %s", cmd.peer_address, cmd.request_id, exc)
