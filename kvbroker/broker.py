@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbroker.backends.base import Backend
-from kvbroker.errors import BrokerError, Code, invalid, not_found
+from kvbroker.errors import BrokerError, Code, invalid
 from kvbroker.model import ComponentKind, EngineSpec, State, TransferRole
 from kvbroker.peer_link import PeerLink
 from kvbroker.registry import Engine, Registry
 from kvbroker.sender import Sender, TransferCommand
+from kvbroker.sessions import Session, Sessions
 from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
 from kvbroker.validation import check_components, check_identifier, check_page_ids, registered_pages
 
@@ -31,19 +30,6 @@ if TYPE_CHECKING:
     from kvbroker.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
-
-
-@dataclass
-class Session:
-    """An inference server's hold on its engines: they are unregistered when its stream ends."""
-
-    session_id: str
-    holder: str  # who opened it, as it said, for logs
-    opened_at: float  # wall-clock seconds
-    engine_ids: set[str] = field(default_factory=set)
-
-
-MAX_HOLDER_CHARS = 128
 
 
 @dataclass(frozen=True)
@@ -68,8 +54,7 @@ class Broker:
         self.accepting = True
         self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
         self._register_lock = asyncio.Lock()
-        self._sessions: dict[str, Session] = {}
-        self._session_tasks: set[asyncio.Task] = set()
+        self._sessions = Sessions(self.registry, self.unregister_engine)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -93,10 +78,7 @@ class Broker:
     async def close(self) -> None:
         self.accepting = False
         self.stopping.set()
-        for session_id in list(self._sessions):
-            self.end_session(session_id, 0.0)
-        if self._session_tasks:
-            await asyncio.wait(self._session_tasks, timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
             await self._release(engine)
@@ -106,13 +88,13 @@ class Broker:
     async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:
         """Map and register an engine; with `session_id`, it lives only as long as that session."""
         self._check_accepting()
-        self._session(session_id)  # NOT_FOUND before any work
+        self._sessions.get(session_id)  # NOT_FOUND before any work
         async with self._register_lock:  # check() compares with the engines added before it
             self.registry.check(spec)
             engine = await _in_thread(self.registry.materialise, spec, undo=lambda e: e.release())
             try:
                 engine.backend_handle = await self.backend.register(engine.regions)
-                session = self._session(session_id)  # it may have ended while the memory was mapped
+                session = self._sessions.get(session_id)  # it may have ended while the memory was mapped
                 engine.session_id = session_id
                 self.registry.add(engine)
                 if session is not None:
@@ -135,7 +117,7 @@ class Broker:
             failed += await self._abort(record, Code.ABORTED, f"engine {engine_id!r} was unregistered")
         if engine_id in self.registry:
             self.registry.remove(engine_id)
-            if (session := self._sessions.get(engine.session_id)) is not None:
+            if (session := self._sessions.find(engine.session_id)) is not None:
                 session.engine_ids.discard(engine_id)
             await self._release(engine)
         return failed
@@ -150,48 +132,14 @@ class Broker:
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
         self._check_accepting()
-        if len(holder) > MAX_HOLDER_CHARS:
-            raise invalid(f"holder: {len(holder)} characters exceed the limit of {MAX_HOLDER_CHARS}")
-        session = Session(f"s-{secrets.token_hex(8)}", holder, time.time())
-        self._sessions[session.session_id] = session
-        log.info("session opened", extra={"session_id": session.session_id, "holder": holder})
-        return session
-
-    def _session(self, session_id: str) -> Session | None:
-        if not session_id:
-            return None
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise not_found(f"session_id: no open session {session_id!r} on this broker (it ended, or the "
-                            "broker restarted); open a new one")
-        return session
+        return self._sessions.open(holder)
 
     def end_session(self, session_id: str, wait_s: float) -> None:
-        """The session's stream ended: unregister its engines, in a task the broker owns (the stream's
-        handler may be cancelled and cannot wait for in-flight writes)."""
-        session = self._sessions.pop(session_id, None)
-        if session is None:
-            return
-        task = asyncio.create_task(self._release_session(session, wait_s), name=f"end session {session_id}")
-        self._session_tasks.add(task)
-        task.add_done_callback(self._session_tasks.discard)
-
-    async def _release_session(self, session: Session, wait_s: float) -> None:
-        released = 0
-        for engine_id in sorted(session.engine_ids):
-            engine = self.registry.find(engine_id)
-            if engine is None or engine.session_id != session.session_id:
-                continue  # unregistered by its server, or registered again under another session
-            try:
-                await self.unregister_engine(engine_id, wait_s)
-                released += 1
-            except BrokerError as exc:  # unregistered meanwhile
-                log.debug("session %s: engine %s: %s", session.session_id, engine_id, exc)
-        log.info("session ended", extra={"session_id": session.session_id, "holder": session.holder,
-                                         "engines_released": released})
+        """The session's stream ended: its engines are unregistered in a task of their own."""
+        self._sessions.end(session_id, wait_s)
 
     def sessions(self) -> list[Session]:
-        return list(self._sessions.values())
+        return list(self._sessions)
 
     # -- receiver side --------------------------------------------------------------------------
     async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[ComponentKind],
