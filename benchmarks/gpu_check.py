@@ -377,12 +377,12 @@ async def session_end(server: Server, stub, timeout: float) -> dict:
 
 def gpu_buffers(shape: shapes.ModelShape, placements, base: int, device: int):
     """Layer buffers as the broker orders them for a transfer (by component, then layer and role), on a GPU."""
-    from kvbroker.model import BufferLayout, MemoryKind, Role
+    from kvbroker.model import BufferLayout, BufferRole, MemoryKind
 
     out = []
     for kind in COMPONENTS:
         mine = sorted((p for p in placements if p.component == kind), key=lambda p: (p.layer_id, p.role))
-        out += [BufferLayout(p.layer_id, Role(p.role), base + p.offset, shape.num_pages * p.item_len, p.item_len,
+        out += [BufferLayout(p.layer_id, BufferRole(p.role), base + p.offset, shape.num_pages * p.item_len, p.item_len,
                              device, MemoryKind.GPU) for p in mine]
     return out
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvbroker.backends.base import Backend
 from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.model import ComponentKind, EngineSpec, State, TransferRole
+from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
 from kvbroker.peer_link import PeerLink
 from kvbroker.registry import Engine, Registry
 from kvbroker.sender import Sender, TransferCommand
@@ -67,7 +67,7 @@ class Broker:
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, let in-flight ones finish within `grace_s`, then fail the rest."""
         self.accepting = False
-        busy = [r for r in self.table.live() if r.task is not None or r.state is State.TRANSFERRING]
+        busy = [r for r in self.table.live() if r.task is not None or r.state is TransferState.TRANSFERRING]
         if busy:
             log.info("draining %d in-flight requests (grace %.1fs)", len(busy), grace_s)
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in busy], timeout=grace_s)
@@ -109,7 +109,7 @@ class Broker:
     async def unregister_engine(self, engine_id: str, wait_s: float) -> int:
         engine = self.registry.get(engine_id)
         live = self.table.live(engine_id)
-        writing = [r for r in live if r.state is State.TRANSFERRING]
+        writing = [r for r in live if r.state is TransferState.TRANSFERRING]
         if writing:  # never release memory a transfer engine is reading or writing
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in writing], timeout=wait_s)
         failed = 0
@@ -142,7 +142,7 @@ class Broker:
         return list(self._sessions)
 
     # -- receiver side --------------------------------------------------------------------------
-    async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[ComponentKind],
+    async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[Component],
                               dst_page_ids: np.ndarray, expiry_ms: int) -> TransferStatus:
         self._check_accepting()
         check_identifier(request_id, "request_id")
@@ -160,7 +160,7 @@ class Broker:
         self._check_accepting()
         return self.registry.get(engine_id)
 
-    def claim(self, engine_id: str, request_id: str, components: Sequence[ComponentKind],
+    def claim(self, engine_id: str, request_id: str, components: Sequence[Component],
               dst_page_ids: np.ndarray, claimant: str) -> tuple[Grant, int]:
         self._check_accepting()
         engine = self.registry.get(engine_id)
@@ -168,14 +168,14 @@ class Broker:
         return grant, engine.generation
 
     def complete(self, engine_id: str, request_id: str, claim_token: str, claimant: str, *, succeeded: bool,
-                 code: int, reason: str, pages: int, runs: int, nbytes: int, truncated: int) -> State:
+                 code: int, reason: str, pages: int, runs: int, nbytes: int, truncated: int) -> TransferState:
         record = self.table.get(engine_id, request_id)
         if record.role is not TransferRole.RECEIVER:
             raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
         if record.state.terminal:
             return record.state
         claimed = bool(claim_token) and claim_token == record.claim_token  # an empty token proves no claim
-        if not claimed and (succeeded or record.state is not State.PENDING):
+        if not claimed and (succeeded or record.state is not TransferState.PENDING):
             raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
         if succeeded:
             self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)

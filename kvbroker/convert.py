@@ -13,17 +13,17 @@ from kvbroker.errors import invalid
 from kvbroker.model import (
     BrokerAllocation,
     BufferLayout,
-    ComponentKind,
+    BufferRole,
+    Component,
     ComponentLayout,
     ComponentSpec,
     CudaIpcRef,
     EngineLayout,
     EngineSpec,
     KvDtype,
-    LayerBufferSpec,
+    LayerBuffer,
     Layout,
     MemoryKind,
-    Role,
     SharedMemoryRef,
     Topology,
 )
@@ -34,7 +34,7 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 E = TypeVar("E")
 
-_PREFIX = {ComponentKind: "COMPONENT_", Layout: "LAYOUT_", Role: "BUFFER_ROLE_", KvDtype: "KV_DTYPE_",
+_PREFIX = {Component: "COMPONENT_", Layout: "LAYOUT_", BufferRole: "BUFFER_ROLE_", KvDtype: "KV_DTYPE_",
            MemoryKind: "MEMORY_KIND_"}
 
 
@@ -105,11 +105,11 @@ def engine_spec_in(req: bpb.RegisterEngineRequest) -> EngineSpec:
     for i, c in enumerate(req.components):
         where = f"components[{i}]"
         buffers = tuple(
-            LayerBufferSpec(b.layer_id, enum_in(Role, b.role, f"{where}.layer_buffers[{j}].role"),
+            LayerBuffer(b.layer_id, enum_in(BufferRole, b.role, f"{where}.layer_buffers[{j}].role"),
                             _memory_in(b.memory), b.length, b.item_len)
             for j, b in enumerate(c.layer_buffers)
         )
-        components.append(ComponentSpec(enum_in(ComponentKind, c.component, f"{where}.component"),
+        components.append(ComponentSpec(enum_in(Component, c.component, f"{where}.component"),
                                         enum_in(Layout, c.layout, f"{where}.layout"), c.num_pages, buffers))
     return EngineSpec(req.engine_id, topology_in(req.topology), tuple(components), allocation)
 
@@ -122,8 +122,8 @@ def component_spec_out(c: ComponentSpec) -> pb.ComponentSpec:
     )
 
 
-def components_in(values, field_name: str = "components") -> tuple[ComponentKind, ...]:
-    return tuple(enum_in(ComponentKind, v, f"{field_name}[{i}]") for i, v in enumerate(values))
+def components_in(values, field_name: str = "components") -> tuple[Component, ...]:
+    return tuple(enum_in(Component, v, f"{field_name}[{i}]") for i, v in enumerate(values))
 
 
 def status_out(s: TransferStatus) -> bpb.TransferStatus:
@@ -158,9 +158,9 @@ def engine_layout_in(e: ppb.PeerEngine) -> EngineLayout:
     where = "handshake.engine"
     components = {}
     for i, c in enumerate(e.components):
-        kind = enum_in(ComponentKind, c.component, f"{where}.components[{i}].component")
+        kind = enum_in(Component, c.component, f"{where}.components[{i}].component")
         buffers = tuple(sorted(
-            (BufferLayout(b.layer_id, enum_in(Role, b.role, f"{where}.components[{i}].role"), b.address, b.length,
+            (BufferLayout(b.layer_id, enum_in(BufferRole, b.role, f"{where}.components[{i}].role"), b.address, b.length,
                           b.item_len, b.device, _memory_kind_in(b.memory_kind, f"{where}.components[{i}].memory_kind"))
              for b in c.layer_buffers),
             key=lambda b: (b.layer_id, b.role),

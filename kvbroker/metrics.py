@@ -15,7 +15,7 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from kvbroker.errors import code_name
-from kvbroker.model import ComponentKind, State
+from kvbroker.model import Component, TransferState
 from kvbroker.registry import Engine
 from kvbroker.transfers import TransferRecord
 
@@ -66,7 +66,7 @@ class Metrics:
         self.epoch_changes = Counter("kvbroker_peer_epoch_changes",
                                      "Peer restarts noticed: a known peer answered a handshake with a new epoch",
                                      registry=r)
-        for kind in (ComponentKind.MAIN_KV, ComponentKind.MINIMAX_INDEX_K):  # zeros before the first request
+        for kind in (Component.MAIN_KV, Component.MINIMAX_INDEX_K):  # zeros before the first request
             self.registered_bytes.labels(kind.name)
             for role in ("sender", "receiver"):
                 for counter in (self.transfers_started, self.transfers_succeeded, self.bytes):
@@ -74,7 +74,7 @@ class Metrics:
         for role in ("sender", "receiver"):
             for counter in (self.pages, self.runs, self.truncated):
                 counter.labels(role)
-        self._page_bytes: dict[str, dict[ComponentKind, int]] = {}  # engine → bytes of one page per component
+        self._page_bytes: dict[str, dict[Component, int]] = {}  # engine → bytes of one page per component
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
     # -- hooks: called on the event loop --------------------------------------------------------
@@ -93,12 +93,12 @@ class Metrics:
 
     def transfer_changed(self, record: TransferRecord) -> None:
         role = record.role.name.lower()
-        if record.state is State.PENDING:
+        if record.state is TransferState.PENDING:
             for kind in record.components:
                 self.transfers_started.labels(role, kind.name).inc()
-        elif record.state is State.TRANSFERRING:
+        elif record.state is TransferState.TRANSFERRING:
             self.queue_wait.labels(role).observe(record.transferring_at - record.started)
-        elif record.state is State.SUCCEEDED:
+        elif record.state is TransferState.SUCCEEDED:
             page_bytes = self._page_bytes.get(record.engine_id, {})
             for kind in record.components:
                 self.transfers_succeeded.labels(role, kind.name).inc()

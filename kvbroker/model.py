@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 
-class ComponentKind(enum.IntEnum):
+class Component(enum.IntEnum):
     MAIN_KV = 1
     MINIMAX_INDEX_K = 2
     MINIMAX_INDEX_KV = 3
@@ -25,7 +25,7 @@ class Layout(enum.IntEnum):
     KV_SPLIT = 2
 
 
-class Role(enum.IntEnum):
+class BufferRole(enum.IntEnum):
     FLAT = 1
     K = 2
     V = 3
@@ -48,7 +48,7 @@ class MemoryKind(enum.IntEnum):
     GPU = 2
 
 
-class State(enum.IntEnum):
+class TransferState(enum.IntEnum):
     PENDING = 1
     TRANSFERRING = 2
     SUCCEEDED = 3
@@ -56,7 +56,7 @@ class State(enum.IntEnum):
 
     @property
     def terminal(self) -> bool:
-        return self in (State.SUCCEEDED, State.FAILED)
+        return self in (TransferState.SUCCEEDED, TransferState.FAILED)
 
 
 class TransferRole(enum.IntEnum):
@@ -97,9 +97,9 @@ MemoryRef = SharedMemoryRef | CudaIpcRef
 
 
 @dataclass(frozen=True)
-class LayerBufferSpec:
+class LayerBuffer:
     layer_id: int
-    role: Role
+    role: BufferRole
     memory: MemoryRef | None
     length: int
     item_len: int
@@ -107,10 +107,10 @@ class LayerBufferSpec:
 
 @dataclass(frozen=True)
 class ComponentSpec:
-    kind: ComponentKind
+    kind: Component
     layout: Layout
     num_pages: int
-    layer_buffers: tuple[LayerBufferSpec, ...]
+    layer_buffers: tuple[LayerBuffer, ...]
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class BufferLayout:
     """One layer buffer where a transfer engine can reach it."""
 
     layer_id: int
-    role: Role
+    role: BufferRole
     address: int
     length: int
     item_len: int
@@ -143,13 +143,13 @@ class BufferLayout:
 
 @dataclass(frozen=True)
 class ComponentLayout:
-    kind: ComponentKind
+    kind: Component
     layout: Layout
     num_pages: int
     buffers: tuple[BufferLayout, ...]  # sorted by (layer_id, role)
 
     @property
-    def buffer_keys(self) -> tuple[tuple[int, Role], ...]:
+    def buffer_keys(self) -> tuple[tuple[int, BufferRole], ...]:
         return tuple((b.layer_id, b.role) for b in self.buffers)
 
 
@@ -157,7 +157,7 @@ class ComponentLayout:
 class EngineLayout:
     engine_id: str
     topology: Topology
-    components: dict[ComponentKind, ComponentLayout] = field(hash=False)
+    components: dict[Component, ComponentLayout] = field(hash=False)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.edge import from_rpc_error
 from kvbroker.errors import BrokerError, Code
 from kvbroker.metrics import Metrics
-from kvbroker.model import ComponentKind, State
+from kvbroker.model import Component, TransferState
 from kvbroker.peer_idle import IdlePeers
 from kvbroker.peer_link import ClaimResult, PeerSession
 from kvbroker.transfers import Grant, TransferStatus
@@ -224,7 +224,7 @@ class PeerClients:
         self._sessions[(address, engine_id)] = session
         return session
 
-    async def claim(self, session: PeerSession, request_id: str, components: Sequence[ComponentKind],
+    async def claim(self, session: PeerSession, request_id: str, components: Sequence[Component],
                     dst_page_ids: np.ndarray, timeout: float) -> ClaimResult:
         request = ppb.ClaimGrantRequest(broker_id=self._broker_id, epoch=self._epoch,
                                         engine_id=session.engine.engine_id, request_id=request_id,
@@ -235,15 +235,15 @@ class PeerClients:
         return ClaimResult(grant, reply.epoch, reply.generation)
 
     async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
-                       status: TransferStatus, timeout: float) -> State:
+                       status: TransferStatus, timeout: float) -> TransferState:
         request = ppb.CompleteTransferRequest(
             broker_id=self._broker_id, engine_id=engine_id, request_id=request_id, claim_token=claim_token,
-            succeeded=status.state is not State.FAILED, code=status.code, reason=status.reason,
+            succeeded=status.state is not TransferState.FAILED, code=status.code, reason=status.reason,
             pages=status.pages, runs=status.runs, bytes=status.bytes, truncated_pages=status.truncated_pages,
         )
         reply = await self._rpc(address, "CompleteTransfer", request, timeout)
         try:
-            return State(reply.state)
+            return TransferState(reply.state)
         except ValueError:
             raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {reply.state} "
                                             f"for the grant") from None

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvbroker.model import ComponentKind, EngineLayout, State
+from kvbroker.model import Component, EngineLayout, TransferState
 from kvbroker.transfers import Grant, TransferStatus
 
 
@@ -37,8 +37,8 @@ class ClaimResult:
 class PeerLink(Protocol):
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession: ...
 
-    async def claim(self, session: PeerSession, request_id: str, components: Sequence[ComponentKind],
+    async def claim(self, session: PeerSession, request_id: str, components: Sequence[Component],
                     dst_page_ids: np.ndarray, timeout: float) -> ClaimResult: ...
 
     async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
-                       status: TransferStatus, timeout: float) -> State: ...
+                       status: TransferStatus, timeout: float) -> TransferState: ...

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbroker import topology
-from kvbroker.model import BufferLayout, ComponentKind, Descriptors, EngineLayout, MemoryKind
+from kvbroker.model import BufferLayout, Component, Descriptors, EngineLayout, MemoryKind
 from kvbroker.validation import check_page_ids, registered_pages
 
 
@@ -111,7 +111,7 @@ class TransferPlan:
     truncated: int  # pages dropped from the longer page list (rule truncate)
 
 
-def plan_transfer(src: EngineLayout, dst: EngineLayout, components: Sequence[ComponentKind],
+def plan_transfer(src: EngineLayout, dst: EngineLayout, components: Sequence[Component],
                   src_page_ids: np.ndarray, dst_page_ids: np.ndarray, *, max_pages: int) -> TransferPlan:
     """The writes that move `components` from engine `src` to engine `dst`, whose layouts passed the
     topology rules: both page lists cut to the shorter, the destination ids checked against the

@@ -30,7 +30,7 @@ from kvbroker.model import (
     CudaIpcRef,
     EngineLayout,
     EngineSpec,
-    LayerBufferSpec,
+    LayerBuffer,
     MemoryKind,
     Region,
     SharedMemoryRef,
@@ -231,7 +231,7 @@ class _Resolver:
         if pool is not None:
             self._allocations[(pool.device, pool.handle)] = pool
 
-    def __call__(self, buf: LayerBufferSpec, at: str) -> tuple[int, MemoryKind, int]:
+    def __call__(self, buf: LayerBuffer, at: str) -> tuple[int, MemoryKind, int]:
         m = buf.memory
         if isinstance(m, CudaIpcRef):
             key = (m.device, bytes(m.handle))

@@ -28,7 +28,7 @@ import numpy as np
 from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.model import ComponentKind, State
+from kvbroker.model import Component, TransferState
 from kvbroker.peer_link import PeerLink, PeerSession
 from kvbroker.planner import TransferPlan, plan_transfer
 from kvbroker.registry import Engine, Registry
@@ -47,7 +47,7 @@ class TransferCommand:
     engine_id: str
     peer_address: str
     remote_engine_id: str
-    components: tuple[ComponentKind, ...]
+    components: tuple[Component, ...]
     src_page_ids: np.ndarray
     dst_page_ids: np.ndarray  # empty: the grant's
 
@@ -100,7 +100,7 @@ class Sender:
                                           name=f"transfer {cmd.engine_id}/{cmd.request_id}")
         await asyncio.shield(record.task)
         status = record.snapshot()
-        if status.state is State.FAILED:
+        if status.state is TransferState.FAILED:
             raise BrokerError(Code(status.code), status.reason)
         return status
 
@@ -129,7 +129,7 @@ class Sender:
             self._table.fail(record, Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         finally:
             record.task = None
-            if record.state is State.FAILED and job.reached_peer:
+            if record.state is TransferState.FAILED and job.reached_peer:
                 await self._tell_peer_failed(job)
 
     def _rpc_timeout(self, job: _Send) -> float:
@@ -187,7 +187,7 @@ class Sender:
             runs.pages, runs.count, plan.descriptors.nbytes, plan.truncated)
         state = await self._peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, job.token,
                                            record.snapshot(), timeout=self._rpc_timeout(job))
-        if state is not State.SUCCEEDED:
+        if state is not TransferState.SUCCEEDED:
             raise BrokerError(Code.ABORTED, f"receiver reports the grant as {state.name} after the write")
         self._table.succeed(record, pages=runs.pages, runs=runs.count, nbytes=plan.descriptors.nbytes,
                             truncated=plan.truncated)

@@ -11,12 +11,12 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvbroker.errors import BrokerError, Code, precondition
-from kvbroker.model import ComponentKind, ComponentLayout, EngineLayout, Topology
+from kvbroker.model import Component, ComponentLayout, EngineLayout, Topology
 
 
-def reject_index_with_value(kind: ComponentKind) -> None:
+def reject_index_with_value(kind: Component) -> None:
     """Rule index-with-value: the MiniMax index with value is not supported, as upstream."""
-    if kind is ComponentKind.MINIMAX_INDEX_KV:
+    if kind is Component.MINIMAX_INDEX_KV:
         raise BrokerError(
             Code.UNIMPLEMENTED,
             "rule index-with-value: component MINIMAX_INDEX_KV (sparse index with value) is not "
@@ -24,9 +24,9 @@ def reject_index_with_value(kind: ComponentKind) -> None:
         )
 
 
-def check_no_pipeline_parallel(kind: ComponentKind, src: Topology, dst: Topology) -> None:
+def check_no_pipeline_parallel(kind: Component, src: Topology, dst: Topology) -> None:
     """Rule index-k-pp: the MiniMax sparse index moves only between engines with pp_size 1."""
-    if kind is not ComponentKind.MINIMAX_INDEX_K:
+    if kind is not Component.MINIMAX_INDEX_K:
         return
     for side, topo in (("sender", src), ("receiver", dst)):
         if topo.pp_size > 1:
@@ -36,9 +36,9 @@ def check_no_pipeline_parallel(kind: ComponentKind, src: Topology, dst: Topology
             )
 
 
-def check_homogeneous_attention_tp(kind: ComponentKind, src: Topology, dst: Topology) -> None:
+def check_homogeneous_attention_tp(kind: Component, src: Topology, dst: Topology) -> None:
     """Rule index-k-attn-tp: the MiniMax sparse index needs equal attention TP on both sides."""
-    if kind is ComponentKind.MINIMAX_INDEX_K and src.attn_tp_size != dst.attn_tp_size:
+    if kind is Component.MINIMAX_INDEX_K and src.attn_tp_size != dst.attn_tp_size:
         raise precondition(
             f"rule index-k-attn-tp: heterogeneous TP not supported for MiniMax sparse index "
             f"(sender attn_tp_size={src.attn_tp_size}, receiver attn_tp_size={dst.attn_tp_size})"
@@ -78,7 +78,7 @@ def check_same_component_layout(src: ComponentLayout, dst: ComponentLayout) -> N
             )
 
 
-def check_transfer(src: EngineLayout, dst: EngineLayout, kinds: Iterable[ComponentKind]) -> None:
+def check_transfer(src: EngineLayout, dst: EngineLayout, kinds: Iterable[Component]) -> None:
     """Every rule that decides whether `kinds` may move from `src` to `dst`; the first broken one raises."""
     check_same_cache_shape(src.topology, dst.topology)
     for kind in kinds:

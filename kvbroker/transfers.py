@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from kvbroker.errors import BrokerError, Code, code_name, not_found
-from kvbroker.model import ComponentKind, State, TransferRole
+from kvbroker.model import Component, TransferRole, TransferState
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -31,8 +31,8 @@ class TransferStatus:
     request_id: str
     engine_id: str
     role: TransferRole
-    state: State
-    components: tuple[ComponentKind, ...]
+    state: TransferState
+    components: tuple[Component, ...]
     code: int = 0
     reason: str = ""
     pages: int = 0
@@ -56,9 +56,9 @@ class TransferRecord:
     request_id: str
     engine_id: str
     role: TransferRole
-    components: tuple[ComponentKind, ...]
+    components: tuple[Component, ...]
     started: float
-    state: State = State.PENDING
+    state: TransferState = TransferState.PENDING
     code: int = 0
     reason: str = ""
     pages: int = 0
@@ -130,12 +130,12 @@ class TransferTable:
         if old is not None:
             self._ended.pop(old.key, None)
         self._records[record.key] = record
-        self.counts[State.PENDING.name] += 1
+        self.counts[TransferState.PENDING.name] += 1
         if self._observer is not None:
             self._observer.transfer_changed(record)
         return record
 
-    def add_grant(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
+    def add_grant(self, engine_id: str, request_id: str, components: tuple[Component, ...],
                   dst_page_ids: np.ndarray, expiry_s: float) -> TransferRecord:
         now = self._clock()
         record = self._add(TransferRecord(request_id, engine_id, TransferRole.RECEIVER, components, now,
@@ -143,7 +143,7 @@ class TransferTable:
         record.timer = asyncio.get_running_loop().call_later(expiry_s, self._expire, record)
         return record
 
-    def add_send(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
+    def add_send(self, engine_id: str, request_id: str, components: tuple[Component, ...],
                  peer: str = "") -> TransferRecord:
         return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock(),
                                         peer=peer))
@@ -157,20 +157,20 @@ class TransferTable:
             self._observer.transfer_changed(record)
 
     def start(self, record: TransferRecord) -> None:
-        if record.state is State.PENDING:
-            record.state = State.TRANSFERRING
+        if record.state is TransferState.PENDING:
+            record.state = TransferState.TRANSFERRING
             record.transferring_at = self._clock()
-            self.counts[State.TRANSFERRING.name] += 1
+            self.counts[TransferState.TRANSFERRING.name] += 1
             self._publish(record)
 
-    def _end(self, record: TransferRecord, state: State) -> None:
+    def _end(self, record: TransferRecord, state: TransferState) -> None:
         record.state = state
         record.finished = self._clock()
         self.counts[state.name] += 1
         if record.timer is not None:
             record.timer.cancel()
             record.timer = None
-        record.dst_page_ids = None if state is State.SUCCEEDED else record.dst_page_ids
+        record.dst_page_ids = None if state is TransferState.SUCCEEDED else record.dst_page_ids
         record.done.set()
         self._publish(record)
         self._log_end(record)
@@ -193,7 +193,7 @@ class TransferTable:
         if record.state.terminal:
             return False
         record.pages, record.runs, record.bytes, record.truncated_pages = pages, runs, nbytes, truncated
-        self._end(record, State.SUCCEEDED)
+        self._end(record, TransferState.SUCCEEDED)
         return True
 
     def fail(self, record: TransferRecord, code: Code | int, reason: str) -> bool:
@@ -201,7 +201,7 @@ class TransferTable:
         if record.state.terminal:
             return False
         record.code, record.reason = int(code), reason
-        self._end(record, State.FAILED)
+        self._end(record, TransferState.FAILED)
         return True
 
     def _expire(self, record: TransferRecord) -> None:
@@ -223,7 +223,7 @@ class TransferTable:
                 del self._records[key]
 
     # -- the receiver's grant -----------------------------------------------------------------
-    def claim(self, engine_id: str, request_id: str, components: tuple[ComponentKind, ...],
+    def claim(self, engine_id: str, request_id: str, components: tuple[Component, ...],
               dst_page_ids: np.ndarray, claimant: str) -> Grant:
         """Hand a grant to one sender, once. Raises without changing the grant when refused."""
         try:
@@ -232,10 +232,10 @@ class TransferTable:
             raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
         if record.role is not TransferRole.RECEIVER:
             raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
-        if record.state is State.FAILED:
+        if record.state is TransferState.FAILED:
             code = Code.DEADLINE_EXCEEDED if record.code == Code.DEADLINE_EXCEEDED else Code.FAILED_PRECONDITION
             raise BrokerError(code, f"grant {request_id!r} has failed: {record.reason}")
-        if record.state is not State.PENDING:
+        if record.state is not TransferState.PENDING:
             raise BrokerError(Code.PERMISSION_DENIED,
                               f"grant {request_id!r} was already claimed (state {record.state.name})")
         outside = [c.name for c in components if c not in record.components]

@@ -23,18 +23,18 @@ from kvbroker import topology
 from kvbroker.errors import BrokerError, Code, invalid, precondition
 from kvbroker.memory import MAX_DEVICE_ORDINAL, check_cuda_ref
 from kvbroker.model import (
-    ComponentKind,
+    BufferRole,
+    Component,
     CudaIpcRef,
     EngineLayout,
     EngineSpec,
     Layout,
-    Role,
     SharedMemoryRef,
     Topology,
 )
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
-ROLES_BY_LAYOUT = {Layout.FLAT: (Role.FLAT,), Layout.KV_SPLIT: (Role.K, Role.V)}
+ROLES_BY_LAYOUT = {Layout.FLAT: (BufferRole.FLAT,), Layout.KV_SPLIT: (BufferRole.K, BufferRole.V)}
 
 
 def check_identifier(value: str, field_name: str) -> None:
@@ -63,21 +63,21 @@ def validate_spec(spec: EngineSpec, max_pages: int) -> None:
         raise invalid(f"allocation_device: {spec.broker_allocation.device} is not a plausible CUDA device ordinal "
                       f"(at most {MAX_DEVICE_ORDINAL})")
     first_kind: tuple[str, type] | None = None  # where the engine's first memory reference is, and its kind
-    seen: set[ComponentKind] = set()
+    seen: set[Component] = set()
     for i, comp in enumerate(spec.components):
         where = f"components[{i}]"
         topology.reject_index_with_value(comp.kind)
         if comp.kind in seen:
             raise invalid(f"{where}.component: {comp.kind.name} is registered twice")
         seen.add(comp.kind)
-        if comp.kind is ComponentKind.MINIMAX_INDEX_K and comp.layout is not Layout.FLAT:
+        if comp.kind is Component.MINIMAX_INDEX_K and comp.layout is not Layout.FLAT:
             raise invalid(f"{where}.layout: MINIMAX_INDEX_K must be LAYOUT_FLAT, got {comp.layout.name}")
         if not 1 <= comp.num_pages <= max_pages:
             raise invalid(f"{where}.num_pages: must be in [1, {max_pages}], got {comp.num_pages}")
         if not comp.layer_buffers:
             raise invalid(f"{where}.layer_buffers: at least one layer buffer is required")
         roles = ROLES_BY_LAYOUT[comp.layout]
-        keys: set[tuple[int, Role]] = set()
+        keys: set[tuple[int, BufferRole]] = set()
         for j, buf in enumerate(comp.layer_buffers):
             at = f"{where}.layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name})"
             if buf.role not in roles:
@@ -140,7 +140,7 @@ def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: 
             raise invalid(f"{field_name}: page id {dup} appears more than once")
 
 
-def check_components(components: Sequence[ComponentKind], field_name: str) -> tuple[ComponentKind, ...]:
+def check_components(components: Sequence[Component], field_name: str) -> tuple[Component, ...]:
     if not components:
         raise invalid(f"{field_name}: at least one component is required")
     if len(set(components)) != len(components):
@@ -150,7 +150,7 @@ def check_components(components: Sequence[ComponentKind], field_name: str) -> tu
     return tuple(components)
 
 
-def registered_pages(layout: EngineLayout, components: Sequence[ComponentKind]) -> int:
+def registered_pages(layout: EngineLayout, components: Sequence[Component]) -> int:
     """The pages every one of `components` has on the engine: a page id into them is below this.
     A component the engine did not register is FAILED_PRECONDITION."""
     for kind in components:

@@ -355,11 +355,11 @@ ROW_CAP = 12_000_000  # descriptors per side kept in memory at once (288 MB) for
 
 
 def planner(plan: Plan, rng: np.random.Generator, say) -> dict:
-    from kvbroker.model import BufferLayout, Role
+    from kvbroker.model import BufferLayout, BufferRole
     from kvbroker.planner import plan_runs
 
-    one_src = [BufferLayout(0, Role.K, 1 << 40, 1 << 36, BENCH_ENGINE.kv_item_len)]
-    one_dst = [BufferLayout(0, Role.K, 1 << 41, 1 << 36, BENCH_ENGINE.kv_item_len)]
+    one_src = [BufferLayout(0, BufferRole.K, 1 << 40, 1 << 36, BENCH_ENGINE.kv_item_len)]
+    one_dst = [BufferLayout(0, BufferRole.K, 1 << 41, 1 << 36, BENCH_ENGINE.kv_item_len)]
     placements = shapes.place_buffers(BENCH_ENGINE)
     full_src = engine_buffers(BENCH_ENGINE, placements, 1 << 40)
     full_dst = engine_buffers(BENCH_ENGINE, placements, 1 << 42)

@@ -221,12 +221,12 @@ def page_lists(pattern: str, pages: int, pool: int,
 
 def engine_buffers(shape: ModelShape, placements, base: int, components=ALL):
     """Layer buffers as the broker orders them for a transfer: by component, then (layer, role)."""
-    from kvbroker.model import BufferLayout, Role
+    from kvbroker.model import BufferLayout, BufferRole
 
     out = []
     for kind in components:
         mine = sorted((p for p in placements if p.component == kind), key=lambda p: (p.layer_id, p.role))
-        out += [BufferLayout(p.layer_id, Role(p.role), base + p.offset, shape.num_pages * p.item_len,
+        out += [BufferLayout(p.layer_id, BufferRole(p.role), base + p.offset, shape.num_pages * p.item_len,
                              p.item_len) for p in mine]
     return out
 

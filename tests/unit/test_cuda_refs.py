@@ -27,17 +27,17 @@ from kvbroker.memory import POOL_ALIGNMENT, GpuMemory, plan_pool
 from kvbroker.model import (
     BrokerAllocation,
     BufferLayout,
-    ComponentKind,
+    BufferRole,
+    Component,
     ComponentSpec,
     CudaIpcRef,
     Descriptors,
     EngineSpec,
     KvDtype,
-    LayerBufferSpec,
+    LayerBuffer,
     Layout,
     MemoryKind,
     Region,
-    Role,
     SharedMemoryRef,
     Topology,
 )
@@ -106,17 +106,17 @@ def registry(driver) -> Registry:
     return Registry(1 << 20, gpu=GpuMemory(lambda: driver))
 
 
-def cuda_buf(layer, role=Role.FLAT, handle=HANDLE_A, device=0, offset=0, length=1024, item_len=64,
+def cuda_buf(layer, role=BufferRole.FLAT, handle=HANDLE_A, device=0, offset=0, length=1024, item_len=64,
              allocation_size=1 << 20):
-    return LayerBufferSpec(layer, role, CudaIpcRef(handle, device, offset, allocation_size), length, item_len)
+    return LayerBuffer(layer, role, CudaIpcRef(handle, device, offset, allocation_size), length, item_len)
 
 
-def pooled_buf(layer, role=Role.FLAT, length=1000, item_len=50):
-    return LayerBufferSpec(layer, role, None, length, item_len)
+def pooled_buf(layer, role=BufferRole.FLAT, length=1000, item_len=50):
+    return LayerBuffer(layer, role, None, length, item_len)
 
 
 def index_k(*buffers, num_pages=16):
-    return ComponentSpec(ComponentKind.MINIMAX_INDEX_K, Layout.FLAT, num_pages, tuple(buffers))
+    return ComponentSpec(Component.MINIMAX_INDEX_K, Layout.FLAT, num_pages, tuple(buffers))
 
 
 def spec(*components, engine_id="prefill-0/tp0", allocation=None):
@@ -148,7 +148,7 @@ def test_bad_cuda_refs_are_invalid_argument_naming_the_field(bad, words):
 
 
 def test_an_engine_cannot_mix_host_and_gpu_memory():
-    error = refusal(validate_spec, spec(index_k(cuda_buf(2), LayerBufferSpec(3, Role.FLAT, SharedMemoryRef("s", 0),
+    error = refusal(validate_spec, spec(index_k(cuda_buf(2), LayerBuffer(3, BufferRole.FLAT, SharedMemoryRef("s", 0),
                                                                            1024, 64))), 1 << 20)
     assert error.code is Code.INVALID_ARGUMENT
     assert "layer_buffers[1] (layer 3, FLAT).memory: shared_memory, but components[0].layer_buffers[0] " \
@@ -210,7 +210,7 @@ def test_this_machine_has_no_cuda_and_says_why():
 def test_gpu_buffers_resolve_inside_the_opened_allocation(registry, driver):
     engine = registry.build(spec(index_k(cuda_buf(2, offset=4096), cuda_buf(3, offset=8192))))
     base = driver.exported[HANDLE_A].address
-    buffers = engine.layout.components[ComponentKind.MINIMAX_INDEX_K].buffers
+    buffers = engine.layout.components[Component.MINIMAX_INDEX_K].buffers
     assert [(b.address, b.device, b.memory_kind) for b in buffers] == [
         (base + 4096, 0, MemoryKind.GPU), (base + 8192, 0, MemoryKind.GPU)]
     assert engine.regions == [Region(base + 4096, 1024, 0, gpu=True), Region(base + 8192, 1024, 0, gpu=True)]
@@ -302,8 +302,8 @@ def test_a_refusal_after_opening_closes_what_was_opened(registry, driver):
 
 # -- broker-owned pools --------------------------------------------------------------------------
 def test_broker_owned_pool_places_every_buffer_and_returns_its_handle(registry, driver):
-    main = ComponentSpec(ComponentKind.MAIN_KV, Layout.KV_SPLIT, 16,
-                         (pooled_buf(2, Role.K, 1600, 100), pooled_buf(2, Role.V, 1600, 100)))
+    main = ComponentSpec(Component.MAIN_KV, Layout.KV_SPLIT, 16,
+                         (pooled_buf(2, BufferRole.K, 1600, 100), pooled_buf(2, BufferRole.V, 1600, 100)))
     engine = registry.build(spec(main, index_k(pooled_buf(2, length=800, item_len=50)),
                                  allocation=BrokerAllocation(1)))
     (address, size), = driver.pools.items()
@@ -311,7 +311,7 @@ def test_broker_owned_pool_places_every_buffer_and_returns_its_handle(registry, 
     refs = [b.memory for c in engine.spec.components for b in c.layer_buffers]
     assert {(r.handle, r.device, r.allocation_size) for r in refs} == {(bytes([0xEE] * 63 + [1]), 1, 3 * 4096)}
     assert [r.offset for r in refs] == [0, 4096, 8192]
-    kv = engine.layout.components[ComponentKind.MAIN_KV].buffers
+    kv = engine.layout.components[Component.MAIN_KV].buffers
     assert [(b.address, b.device, b.memory_kind) for b in kv] == [
         (address, 1, MemoryKind.GPU), (address + 4096, 1, MemoryKind.GPU)]
     assert all(r.gpu and r.device == 1 for r in engine.regions)
@@ -394,8 +394,8 @@ def test_the_handshake_carries_the_memory_kind_of_each_buffer(registry):
     engine = registry.build(spec(index_k(cuda_buf(2))))
     wire = convert.engine_layout_out(engine.layout).SerializeToString()
     peer = convert.engine_layout_in(ppb.PeerEngine.FromString(wire))
-    assert peer.components[ComponentKind.MINIMAX_INDEX_K].buffers == \
-        engine.layout.components[ComponentKind.MINIMAX_INDEX_K].buffers
+    assert peer.components[Component.MINIMAX_INDEX_K].buffers == \
+        engine.layout.components[Component.MINIMAX_INDEX_K].buffers
     engine.release()
 
 
@@ -408,7 +408,7 @@ def peer_engine(*kinds: int) -> ppb.PeerEngine:
 
 def test_a_peer_that_does_not_say_the_memory_kind_is_host_memory():
     peer = convert.engine_layout_in(peer_engine(pb.MEMORY_KIND_UNSPECIFIED))
-    assert peer.components[ComponentKind.MINIMAX_INDEX_K].buffers[0].memory_kind is MemoryKind.HOST
+    assert peer.components[Component.MINIMAX_INDEX_K].buffers[0].memory_kind is MemoryKind.HOST
 
 
 def test_a_peer_engine_mixing_memory_kinds_is_refused():
@@ -418,8 +418,8 @@ def test_a_peer_engine_mixing_memory_kinds_is_refused():
 
 # -- descriptors and the engines' memory kinds ---------------------------------------------------
 def layouts(kind: MemoryKind, base: int, device: int = 0):
-    return [BufferLayout(0, Role.K, base, 6400, 64, device, kind), BufferLayout(0, Role.V, base + 8192, 6400, 64,
-                                                                                device, kind)]
+    return [BufferLayout(0, BufferRole.K, base, 6400, 64, device, kind),
+            BufferLayout(0, BufferRole.V, base + 8192, 6400, 64, device, kind)]
 
 
 def test_descriptors_carry_each_sides_memory_kind():

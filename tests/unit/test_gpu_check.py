@@ -14,7 +14,7 @@ import torch
 
 from kvbroker import convert
 from kvbroker.memory import POOL_ALIGNMENT
-from kvbroker.model import BrokerAllocation, ComponentKind, Layout
+from kvbroker.model import BrokerAllocation, Component, Layout
 from kvbroker.model import CudaIpcRef as BrokerCudaIpcRef
 from kvbroker.tools import shapes
 from kvbroker_client.model import CudaIpcRef
@@ -81,7 +81,7 @@ def test_server_owned_request_names_each_buffer_by_its_cuda_ref():
     request = gpu_check.register_request("prefill/tp0", shape, placements, refs, device=0)
     spec = convert.engine_spec_in(bpb.RegisterEngineRequest.FromString(request.SerializeToString()))
     assert spec.broker_allocation is None
-    assert [c.kind for c in spec.components] == [ComponentKind.MAIN_KV, ComponentKind.MINIMAX_INDEX_K]
+    assert [c.kind for c in spec.components] == [Component.MAIN_KV, Component.MINIMAX_INDEX_K]
     assert spec.components[0].layout is Layout.KV_SPLIT and len(spec.components[1].layer_buffers) == 60
     first = spec.components[0].layer_buffers[0]
     assert first.memory == BrokerCudaIpcRef(bytes(range(1, 65)), 0, 0, shapes.pool_size(shape, placements))

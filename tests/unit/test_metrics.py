@@ -13,10 +13,10 @@ import pytest
 
 from kvbroker.errors import Code
 from kvbroker.metrics import Metrics, split_address
-from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, Layout, Role
+from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, Layout
 from kvbroker.transfers import TransferTable
 
-MAIN_KV, INDEX_K = ComponentKind.MAIN_KV, ComponentKind.MINIMAX_INDEX_K
+MAIN_KV, INDEX_K = Component.MAIN_KV, Component.MINIMAX_INDEX_K
 
 
 class Clock:
@@ -29,8 +29,9 @@ class Clock:
 
 def engine(engine_id: str = "prefill-0/tp0"):
     """An engine as the metrics see it: 2 layers of K and V (item_len 64), 2 index buffers (item_len 16)."""
-    main = tuple(BufferLayout(layer, role, 0, 64 * 100, 64) for layer in (0, 1) for role in (Role.K, Role.V))
-    index = tuple(BufferLayout(layer, Role.FLAT, 0, 16 * 100, 16) for layer in (0, 1))
+    main = tuple(BufferLayout(layer, role, 0, 64 * 100, 64)
+                 for layer in (0, 1) for role in (BufferRole.K, BufferRole.V))
+    index = tuple(BufferLayout(layer, BufferRole.FLAT, 0, 16 * 100, 16) for layer in (0, 1))
     components = {MAIN_KV: ComponentLayout(MAIN_KV, Layout.KV_SPLIT, 100, main),
                   INDEX_K: ComponentLayout(INDEX_K, Layout.FLAT, 100, index)}
     return SimpleNamespace(engine_id=engine_id, layout=SimpleNamespace(components=components))

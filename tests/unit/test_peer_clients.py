@@ -15,7 +15,7 @@ import pytest_asyncio
 from kvbroker import convert
 from kvbroker.backends.base import Backend
 from kvbroker.metrics import Metrics
-from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, EngineLayout, KvDtype, Layout, Role, Topology
+from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
 from kvbroker.peer_clients import PeerClients
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
@@ -26,9 +26,9 @@ IDLE_S = 0.5
 
 def layout(engine_id: str) -> EngineLayout:
     topology = Topology(1, 0, 1, 0, 1, 0, 0, 4, 0, 1, KvDtype.BFLOAT16)
-    buffers = (BufferLayout(0, Role.FLAT, 1 << 20, 64 * 16, 64),)
+    buffers = (BufferLayout(0, BufferRole.FLAT, 1 << 20, 64 * 16, 64),)
     return EngineLayout(engine_id, topology,
-                        {ComponentKind.MAIN_KV: ComponentLayout(ComponentKind.MAIN_KV, Layout.FLAT, 16, buffers)})
+                        {Component.MAIN_KV: ComponentLayout(Component.MAIN_KV, Layout.FLAT, 16, buffers)})
 
 
 class ScriptedPeer(ppb_grpc.PeerServiceServicer):

@@ -7,19 +7,20 @@ import numpy as np
 import pytest
 
 from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, EngineLayout, KvDtype, Layout, Role, Topology
+from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
 from kvbroker.planner import plan_transfer
 
 TOPOLOGY = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
-MAIN, INDEX = ComponentKind.MAIN_KV, ComponentKind.MINIMAX_INDEX_K
+MAIN, INDEX = Component.MAIN_KV, Component.MINIMAX_INDEX_K
 ITEM = {MAIN: 256, INDEX: 64}
 
 
 def engine(base: int, num_pages: int = 32, kinds=(MAIN, INDEX)) -> EngineLayout:
     """Layer 2 of each component, one FLAT buffer each, laid out from `base`."""
-    components = {k: ComponentLayout(k, Layout.FLAT, num_pages,
-                                     (BufferLayout(2, Role.FLAT, base + i * (1 << 20), num_pages * ITEM[k], ITEM[k]),))
-                  for i, k in enumerate(kinds)}
+    components = {
+        k: ComponentLayout(k, Layout.FLAT, num_pages,
+                           (BufferLayout(2, BufferRole.FLAT, base + i * (1 << 20), num_pages * ITEM[k], ITEM[k]),))
+        for i, k in enumerate(kinds)}
     return EngineLayout(f"e{base}", TOPOLOGY, components)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.model import BufferLayout, Role
+from kvbroker.model import BufferLayout, BufferRole
 from kvbroker.planner import build_descriptors, plan_runs
 
 
@@ -68,9 +68,9 @@ def test_a_break_on_either_side_splits_the_run():
 
 
 def test_descriptors_are_one_row_per_buffer_and_run():
-    src_bufs = [BufferLayout(0, Role.K, 1000, 10_000, 100), BufferLayout(0, Role.V, 50_000, 10_000, 100)]
-    dst_bufs = [BufferLayout(0, Role.K, 7000, 10_000, 100, device=2),
-                BufferLayout(0, Role.V, 90_000, 10_000, 100, device=2)]
+    src_bufs = [BufferLayout(0, BufferRole.K, 1000, 10_000, 100), BufferLayout(0, BufferRole.V, 50_000, 10_000, 100)]
+    dst_bufs = [BufferLayout(0, BufferRole.K, 7000, 10_000, 100, device=2),
+                BufferLayout(0, BufferRole.V, 90_000, 10_000, 100, device=2)]
     runs = plan_runs(np.array([1, 2, 5]), np.array([0, 1, 9]))
     d = build_descriptors(runs, src_bufs, dst_bufs)
     assert d.src.tolist() == [[1100, 200, 0], [1500, 100, 0], [50_100, 200, 0], [50_500, 100, 0]]
@@ -82,8 +82,8 @@ def test_descriptors_are_one_row_per_buffer_and_run():
 @given(page_lists, st.lists(st.integers(1, 64), min_size=1, max_size=5))
 def test_descriptors_cover_exactly_the_pages_a_naive_copy_would(lists, item_lens):
     src, dst = (np.array(x, dtype=np.int64) for x in lists)
-    src_bufs = [BufferLayout(i, Role.FLAT, (1 << 20) * (i + 1), 0, n) for i, n in enumerate(item_lens)]
-    dst_bufs = [BufferLayout(i, Role.FLAT, (1 << 40) + (i << 20), 0, n) for i, n in enumerate(item_lens)]
+    src_bufs = [BufferLayout(i, BufferRole.FLAT, (1 << 20) * (i + 1), 0, n) for i, n in enumerate(item_lens)]
+    dst_bufs = [BufferLayout(i, BufferRole.FLAT, (1 << 40) + (i << 20), 0, n) for i, n in enumerate(item_lens)]
     d = build_descriptors(plan_runs(src, dst), src_bufs, dst_bufs)
     moved = set()
     for (sa, ln, _), (da, dl, _) in zip(d.src.tolist(), d.dst.tolist()):

@@ -8,13 +8,13 @@ import pytest
 
 from kvbroker.errors import BrokerError, Code
 from kvbroker.model import (
-    ComponentKind,
+    BufferRole,
+    Component,
     ComponentSpec,
     EngineSpec,
     KvDtype,
-    LayerBufferSpec,
+    LayerBuffer,
     Layout,
-    Role,
     SharedMemoryRef,
     Topology,
 )
@@ -25,8 +25,8 @@ from kvbroker_client.shm import SharedSegment
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 
 
-def buf(layer, role=Role.FLAT, name="seg", offset=0, length=1024, item_len=64):
-    return LayerBufferSpec(layer, role, SharedMemoryRef(name, offset), length, item_len)
+def buf(layer, role=BufferRole.FLAT, name="seg", offset=0, length=1024, item_len=64):
+    return LayerBuffer(layer, role, SharedMemoryRef(name, offset), length, item_len)
 
 
 def spec(*components, topo=TOPO, engine_id="decode-0/tp0"):
@@ -34,7 +34,7 @@ def spec(*components, topo=TOPO, engine_id="decode-0/tp0"):
 
 
 def index_k(*buffers, num_pages=16):
-    return ComponentSpec(ComponentKind.MINIMAX_INDEX_K, Layout.FLAT, num_pages, tuple(buffers or (buf(2),)))
+    return ComponentSpec(Component.MINIMAX_INDEX_K, Layout.FLAT, num_pages, tuple(buffers or (buf(2),)))
 
 
 def refusal(s: EngineSpec) -> BrokerError:
@@ -48,7 +48,7 @@ def test_a_valid_spec_passes():
 
 
 def test_index_with_value_is_unimplemented():
-    error = refusal(spec(ComponentSpec(ComponentKind.MINIMAX_INDEX_KV, Layout.FLAT, 16, (buf(2),))))
+    error = refusal(spec(ComponentSpec(Component.MINIMAX_INDEX_KV, Layout.FLAT, 16, (buf(2),))))
     assert error.code is Code.UNIMPLEMENTED and "MINIMAX_INDEX_KV" in error.message
 
 
@@ -57,10 +57,10 @@ def test_index_with_value_is_unimplemented():
     (spec(index_k(buf(2, length=100))), "(layer 2, FLAT).length: 100 bytes is shorter than num_pages × item_len"),
     (spec(index_k(buf(9))), "(layer 9, FLAT).layer_id: outside the engine's layers [0, 4)"),
     (spec(index_k(buf(2), buf(2, offset=4096))), "layer 2 FLAT is declared twice"),
-    (spec(index_k(buf(2, role=Role.K))), ".role: FLAT layout takes FLAT"),
-    (spec(ComponentSpec(ComponentKind.MINIMAX_INDEX_K, Layout.KV_SPLIT, 16, (buf(2, Role.K), buf(2, Role.V)))),
+    (spec(index_k(buf(2, role=BufferRole.K))), ".role: FLAT layout takes FLAT"),
+    (spec(ComponentSpec(Component.MINIMAX_INDEX_K, Layout.KV_SPLIT, 16, (buf(2, BufferRole.K), buf(2, BufferRole.V)))),
      "components[0].layout: MINIMAX_INDEX_K must be LAYOUT_FLAT"),
-    (spec(ComponentSpec(ComponentKind.MAIN_KV, Layout.KV_SPLIT, 16, (buf(1, Role.K),))),
+    (spec(ComponentSpec(Component.MAIN_KV, Layout.KV_SPLIT, 16, (buf(1, BufferRole.K),))),
      "layer 1 has no V buffer"),
     (spec(index_k(num_pages=0)), "components[0].num_pages: must be in [1,"),
     (spec(), "components: at least one component"),
@@ -69,7 +69,7 @@ def test_index_with_value_is_unimplemented():
     (spec(index_k(), topo=dataclasses.replace(TOPO, tp_size=0)), "topology.tp_size: must be at least 1"),
     (spec(index_k(), topo=dataclasses.replace(TOPO, tp_rank=1)), "topology.tp_rank: must be below tp_size=1"),
     (spec(index_k(), topo=dataclasses.replace(TOPO, end_layer=0)), "topology.end_layer: must exceed start_layer"),
-    (spec(index_k(LayerBufferSpec(2, Role.FLAT, None, 1024, 64))), "(layer 2, FLAT).memory: a memory reference"),
+    (spec(index_k(LayerBuffer(2, BufferRole.FLAT, None, 1024, 64))), "(layer 2, FLAT).memory: a memory reference"),
 ])
 def test_bad_specs_are_invalid_argument_naming_the_field(bad, words):
     error = refusal(bad)
@@ -120,7 +120,7 @@ def test_registered_engine_resolves_addresses_inside_the_segment(segment):
     registry = Registry(1 << 20)
     engine = registry.build(spec(index_k(buf(2, name=segment.name), buf(3, name=segment.name, offset=2048))))
     try:
-        layout = engine.layout.components[ComponentKind.MINIMAX_INDEX_K]
+        layout = engine.layout.components[Component.MINIMAX_INDEX_K]
         assert layout.buffers[1].address - layout.buffers[0].address == 2048
         assert engine.registered_bytes == 2048
     finally:

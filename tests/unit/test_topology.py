@@ -9,18 +9,18 @@ import pytest
 
 from kvbroker import topology
 from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, ComponentKind, ComponentLayout, EngineLayout, KvDtype, Layout, Role, Topology
+from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
 
 BASE = Topology(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0, dp_rank=0,
                 page_size=16, start_layer=0, end_layer=4, kv_dtype=KvDtype.BFLOAT16)
-INDEX = ComponentKind.MINIMAX_INDEX_K
-MAIN = ComponentKind.MAIN_KV
+INDEX = Component.MINIMAX_INDEX_K
+MAIN = Component.MAIN_KV
 
 
 def engine(topo=BASE, item_len=64, layers=(2, 3), layout=Layout.FLAT, kinds=(INDEX,)):
     comps = {}
     for kind in kinds:
-        roles = (Role.FLAT,) if layout is Layout.FLAT else (Role.K, Role.V)
+        roles = (BufferRole.FLAT,) if layout is Layout.FLAT else (BufferRole.K, BufferRole.V)
         bufs = tuple(BufferLayout(layer, role, 4096 * layer, 4096, item_len) for layer in layers for role in roles)
         comps[kind] = ComponentLayout(kind, layout, 64, bufs)
     return EngineLayout("e", topo, comps)
@@ -33,7 +33,7 @@ def refusal(fn, *args) -> BrokerError:
 
 
 def test_index_with_value_is_unimplemented():
-    error = refusal(topology.reject_index_with_value, ComponentKind.MINIMAX_INDEX_KV)
+    error = refusal(topology.reject_index_with_value, Component.MINIMAX_INDEX_KV)
     assert error.code is Code.UNIMPLEMENTED and "rule index-with-value" in error.message
     topology.reject_index_with_value(INDEX)
 
