@@ -1,9 +1,16 @@
 """The Broker: the domain façade the servicers call. One per broker process, built by server.py.
 
-Local API (BrokerService): open_session/end_session, register_engine, unregister_engine,
-expect_transfer, transfer, watch, cancel. Peer API (PeerService): handshake, claim, complete.
-Lifecycle: start, drain, close.
-It owns the registry, the transfer table and the backend; it reaches peers through a PeerLink.
+It owns the registry, the transfer table, the sessions and the backend, and hands each call on:
+- lifecycle (server.py): `start`, `drain`, `close`;
+- engines (BrokerService): `register_engine`, `unregister_engine`; sessions (sessions.py):
+  `open_session`, `end_session`, `sessions`;
+- receiver side: `expect_transfer` (BrokerService); `handshake_view`, `claim`, `complete`
+  (PeerService, peer_service.py);
+- sender side: `transfer` (BrokerService), run by the Sender (sender.py), which reaches peers
+  through the PeerLink the Broker is built with;
+- both sides: `watch`, `cancel`.
+New sessions, engines, grants, handshakes, claims and transfers are refused UNAVAILABLE once the
+drain has begun.
 """
 
 from __future__ import annotations
@@ -56,7 +63,6 @@ class Broker:
         self._register_lock = asyncio.Lock()
         self._sessions = Sessions(self.registry, self.unregister_engine)
 
-    # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.backend.start()
 
@@ -84,7 +90,6 @@ class Broker:
             await self._release(engine)
         await self.backend.close()
 
-    # -- engines --------------------------------------------------------------------------------
     async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:
         """Map and register an engine; with `session_id`, it lives only as long as that session."""
         self._check_accepting()
@@ -128,7 +133,6 @@ class Broker:
             await self.backend.deregister(handle)
         await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
 
-    # -- sessions -------------------------------------------------------------------------------
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
         self._check_accepting()
@@ -141,7 +145,6 @@ class Broker:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
-    # -- receiver side --------------------------------------------------------------------------
     async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[Component],
                               dst_page_ids: np.ndarray, expiry_ms: int) -> TransferStatus:
         self._check_accepting()
@@ -183,13 +186,11 @@ class Broker:
             self.table.fail(record, code or Code.ABORTED, f"sender {claimant!r} failed: {reason}")
         return record.state
 
-    # -- sender side ----------------------------------------------------------------------------
     async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
         """Run one Transfer through the sender pipeline (sender.py); its terminal status."""
         self._check_accepting()
         return await self.sender.transfer(cmd, timeout)
 
-    # -- both sides -----------------------------------------------------------------------------
     def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
         self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
         return self.table.watch(engine_id, request_id)

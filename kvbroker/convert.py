@@ -1,5 +1,11 @@
-"""Translation between the kvbroker.v1 messages and the domain's dataclasses, for both servicers.
+"""Translation between the kvbroker.v1 messages and the domain's dataclasses, for both servicers
+and the peer clients.
 
+- into the domain: `engine_spec_in` (RegisterEngine), `components_in`, `page_ids_in`, `topology_in`,
+  `enum_in` (by number: the domain's enums equal the proto's, tests/unit/test_enums.py), and
+  `engine_layout_in` (a peer's Handshake answer, peer_clients.py);
+- out of it: `status_out`, `component_spec_out`, `topology_out`, `memory_ownership_out`
+  (service.py), `engine_layout_out` (Handshake, peer_service.py).
 Unknown enum values and missing fields become INVALID_ARGUMENT naming the field.
 """
 

@@ -1,5 +1,9 @@
-"""What both servicers share at the gRPC edge: domain errors onto status codes, and back, and
-`MalformedRequests`, the server interceptor that refuses request bytes which do not parse."""
+"""What both servicers share at the gRPC edge:
+- `translate_errors`: wraps a unary servicer method, BrokerError → its status, anything else INTERNAL;
+- `status_code`, `details`: a domain code and message as gRPC sends them (streaming handlers);
+- `from_rpc_error`: a peer's status back into a BrokerError (peer_clients.py);
+- `MalformedRequests`: the server interceptor that refuses request bytes which do not parse.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""The domain's failures. Each carries the status code the edge reports (numbers as google.rpc.Code)."""
+"""The domain's failures. Each carries the status code the edge reports (numbers as google.rpc.Code).
+
+`BrokerError(code, message)` is what the domain raises; `invalid`, `not_found` and `precondition`
+build the common ones; `code_name` names a code number for logs. edge.py maps them onto gRPC.
+"""
 
 from __future__ import annotations
 

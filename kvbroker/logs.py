@@ -1,4 +1,7 @@
-"""Logging setup: JSON lines for containers, plain lines for terminals; extras become fields."""
+"""Logging setup: JSON lines for containers, plain lines for terminals; extras become fields.
+
+`configure` (cli.py) installs `JsonFormatter` or `TextFormatter` on the root logger.
+"""
 
 from __future__ import annotations
 

@@ -77,7 +77,6 @@ class Metrics:
         self._page_bytes: dict[str, dict[Component, int]] = {}  # engine → bytes of one page per component
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
-    # -- hooks: called on the event loop --------------------------------------------------------
     def engine_added(self, engine: Engine) -> None:
         self.engines.inc()
         self._page_bytes[engine.engine_id] = {}
@@ -118,7 +117,6 @@ class Metrics:
         if epoch_changed:
             self.epoch_changes.inc()
 
-    # -- the HTTP endpoint ----------------------------------------------------------------------
     def serve(self, address: str) -> str:
         """Serve /metrics on `address` (host:port) from a daemon thread; returns host:port as bound."""
         host, port = split_address(address)

@@ -40,7 +40,7 @@ from kvbroker.transfers import Grant, TransferStatus
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
-log = logging.getLogger("kvbroker.peer")  # as before the split of peer.py: operators filter on it
+log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
 
 _TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back

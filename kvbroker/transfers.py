@@ -2,9 +2,15 @@
 
 A record is a request as one broker sees it: the receiver's grant or the sender's transfer, keyed
 by (engine_id, request_id). `TransferTable` owns every record, every expiry timer and every
-watcher queue; the Broker drives state changes, servicers read snapshots and watch. Every state
-change passes through `_add`, `start` or `_end`: there the table tells its observer (metrics), and
-`_end` writes the one log line of each request's end, whatever ended it.
+watcher queue; the Broker (receiver side) and the Sender (sender side) drive its state changes,
+servicers read snapshots and watch:
+- lookup: `get`, `live`;
+- creation: `add_grant` (ExpectTransfer), `add_send` (Transfer);
+- state changes: `start` (TRANSFERRING), `succeed`, `fail`; a grant's expiry fails it by itself;
+- the receiver's grant: `claim`, once, by the sender's ClaimGrant;
+- `watch`: the current state, then every change.
+Every state change passes through `_add`, `start` or `_end`: there the table tells its observer
+(metrics), and `_end` writes the one log line of each request's end, whatever ended it.
 """
 
 from __future__ import annotations
@@ -108,7 +114,6 @@ class TransferTable:
         self._clock = clock
         self.counts: Counter[str] = Counter()
 
-    # -- lookup -------------------------------------------------------------------------------
     def get(self, engine_id: str, request_id: str) -> TransferRecord:
         try:
             return self._records[(engine_id, request_id)]
@@ -119,7 +124,6 @@ class TransferTable:
         return [r for r in self._records.values()
                 if not r.state.terminal and (engine_id is None or r.engine_id == engine_id)]
 
-    # -- creation -----------------------------------------------------------------------------
     def _add(self, record: TransferRecord) -> TransferRecord:
         old = self._records.get(record.key)
         if old is not None and not old.state.terminal:
@@ -148,7 +152,6 @@ class TransferTable:
         return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock(),
                                         peer=peer))
 
-    # -- state changes ------------------------------------------------------------------------
     def _publish(self, record: TransferRecord) -> None:
         status = record.snapshot()
         for queue in record.watchers:
@@ -222,7 +225,6 @@ class TransferTable:
             if record is not None and record.state.terminal:
                 del self._records[key]
 
-    # -- the receiver's grant -----------------------------------------------------------------
     def claim(self, engine_id: str, request_id: str, components: tuple[Component, ...],
               dst_page_ids: np.ndarray, claimant: str) -> Grant:
         """Hand a grant to one sender, once. Raises without changing the grant when refused."""
@@ -258,7 +260,6 @@ class TransferTable:
         self.start(record)
         return Grant(granted, record.claim_token, max(0.0, record.expires_at - self._clock()))
 
-    # -- watching -----------------------------------------------------------------------------
     async def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
         """The current state, then every change, ending after a terminal state."""
         record = self.get(engine_id, request_id)
