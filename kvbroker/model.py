@@ -14,6 +14,7 @@ class ComponentKind(enum.IntEnum):
     MAIN_KV = 1
     MINIMAX_INDEX_K = 2
     MINIMAX_INDEX_KV = 3
+    MINIMAX_DENSE_KV = 4
 
 
 class Layout(enum.IntEnum):
