@@ -18,6 +18,7 @@ class Component(enum.IntEnum):
     MAIN_KV = 1
     MINIMAX_INDEX_K = 2
     MINIMAX_INDEX_KV = 3
+    MINIMAX_DENSE_KV = 4
 
 
 class Layout(enum.IntEnum):

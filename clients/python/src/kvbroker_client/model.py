@@ -23,6 +23,7 @@ class Component(enum.IntEnum):
     MAIN_KV = pb.COMPONENT_MAIN_KV
     MINIMAX_INDEX_K = pb.COMPONENT_MINIMAX_INDEX_K
     MINIMAX_INDEX_KV = pb.COMPONENT_MINIMAX_INDEX_KV  # refused by brokers with UNIMPLEMENTED, as upstream
+    MINIMAX_DENSE_KV = pb.COMPONENT_MINIMAX_DENSE_KV  # the dense layers' K and V (SGLang 0.5.23)
 
     @classmethod
     def of(cls, value: Component | int | str) -> Component:

@@ -65,18 +65,24 @@ class UnregisterEngineResponse(_message.Message):
     def __init__(self, failed_requests: _Optional[int] = ...) -> None: ...
 
 class ExpectTransferRequest(_message.Message):
-    __slots__ = ("request_id", "engine_id", "components", "dst_page_ids", "expiry_ms")
+    __slots__ = ("request_id", "engine_id", "components", "dst_page_ids", "expiry_ms", "pages", "sender_address", "sender_engine_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPIRY_MS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     components: _containers.RepeatedScalarFieldContainer[_common_pb2.Component]
     dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
     expiry_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., expiry_ms: _Optional[int] = ...) -> None: ...
+    pages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentPages]
+    sender_address: str
+    sender_engine_id: str
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., expiry_ms: _Optional[int] = ..., pages: _Optional[_Iterable[_Union[_common_pb2.ComponentPages, _Mapping]]] = ..., sender_address: _Optional[str] = ..., sender_engine_id: _Optional[str] = ...) -> None: ...
 
 class ExpectTransferResponse(_message.Message):
     __slots__ = ("status",)
@@ -85,7 +91,7 @@ class ExpectTransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("request_id", "engine_id", "peer_address", "remote_engine_id", "components", "src_page_ids", "dst_page_ids")
+    __slots__ = ("request_id", "engine_id", "peer_address", "remote_engine_id", "components", "src_page_ids", "dst_page_ids", "pages", "more_parts", "aux")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +99,9 @@ class TransferRequest(_message.Message):
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     SRC_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
     DST_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     peer_address: str
@@ -100,7 +109,20 @@ class TransferRequest(_message.Message):
     components: _containers.RepeatedScalarFieldContainer[_common_pb2.Component]
     src_page_ids: _containers.RepeatedScalarFieldContainer[int]
     dst_page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    pages: _containers.RepeatedCompositeFieldContainer[PartPages]
+    more_parts: bool
+    aux: bytes
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PartPages, _Mapping]]] = ..., more_parts: _Optional[bool] = ..., aux: _Optional[bytes] = ...) -> None: ...
+
+class PartPages(_message.Message):
+    __slots__ = ("component", "src_page_ids", "dst_offset")
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    component: _common_pb2.Component
+    src_page_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_offset: int
+    def __init__(self, component: _Optional[_Union[_common_pb2.Component, str]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_offset: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("status",)
@@ -143,7 +165,7 @@ class GetBrokerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBrokerInfoResponse(_message.Message):
-    __slots__ = ("broker_id", "epoch", "version", "backend", "peer_address", "engines", "peers", "request_counts", "sessions")
+    __slots__ = ("broker_id", "epoch", "version", "backend", "peer_address", "engines", "peers", "request_counts", "sessions", "peers_authenticated", "peer_allow")
     class RequestCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +182,8 @@ class GetBrokerInfoResponse(_message.Message):
     PEERS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_COUNTS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PEERS_AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    PEER_ALLOW_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     epoch: int
     version: str
@@ -169,7 +193,9 @@ class GetBrokerInfoResponse(_message.Message):
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     request_counts: _containers.ScalarMap[str, int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., backend: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., request_counts: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    peers_authenticated: bool
+    peer_allow: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., backend: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., request_counts: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., peers_authenticated: _Optional[bool] = ..., peer_allow: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "holder", "engine_ids", "opened_unix_ms")
@@ -212,7 +238,7 @@ class PeerInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., handshakes: _Optional[int] = ...) -> None: ...
 
 class TransferStatus(_message.Message):
-    __slots__ = ("request_id", "engine_id", "role", "state", "code", "reason", "pages", "runs", "bytes", "truncated_pages", "duration_us", "components")
+    __slots__ = ("request_id", "engine_id", "role", "state", "code", "reason", "pages", "runs", "bytes", "truncated_pages", "duration_us", "components", "aux", "parts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +251,8 @@ class TransferStatus(_message.Message):
     TRUNCATED_PAGES_FIELD_NUMBER: _ClassVar[int]
     DURATION_US_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     role: _common_pb2.TransferRole
@@ -237,4 +265,6 @@ class TransferStatus(_message.Message):
     truncated_pages: int
     duration_us: int
     components: _containers.RepeatedScalarFieldContainer[_common_pb2.Component]
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.TransferRole, str]] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., pages: _Optional[int] = ..., runs: _Optional[int] = ..., bytes: _Optional[int] = ..., truncated_pages: _Optional[int] = ..., duration_us: _Optional[int] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ...) -> None: ...
+    aux: bytes
+    parts: int
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.TransferRole, str]] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., pages: _Optional[int] = ..., runs: _Optional[int] = ..., bytes: _Optional[int] = ..., truncated_pages: _Optional[int] = ..., duration_us: _Optional[int] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., aux: _Optional[bytes] = ..., parts: _Optional[int] = ...) -> None: ...

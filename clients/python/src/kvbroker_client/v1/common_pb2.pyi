@@ -14,6 +14,7 @@ class Component(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COMPONENT_MAIN_KV: _ClassVar[Component]
     COMPONENT_MINIMAX_INDEX_K: _ClassVar[Component]
     COMPONENT_MINIMAX_INDEX_KV: _ClassVar[Component]
+    COMPONENT_MINIMAX_DENSE_KV: _ClassVar[Component]
 
 class Layout(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +63,7 @@ COMPONENT_UNSPECIFIED: Component
 COMPONENT_MAIN_KV: Component
 COMPONENT_MINIMAX_INDEX_K: Component
 COMPONENT_MINIMAX_INDEX_KV: Component
+COMPONENT_MINIMAX_DENSE_KV: Component
 LAYOUT_UNSPECIFIED: Layout
 LAYOUT_FLAT: Layout
 LAYOUT_KV_SPLIT: Layout
@@ -168,3 +170,11 @@ class Topology(_message.Message):
     end_layer: int
     kv_dtype: KvDtype
     def __init__(self, tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., attn_tp_size: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., page_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., kv_dtype: _Optional[_Union[KvDtype, str]] = ...) -> None: ...
+
+class ComponentPages(_message.Message):
+    __slots__ = ("component", "page_ids")
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    component: Component
+    page_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, component: _Optional[_Union[Component, str]] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -137,3 +137,121 @@ class CompleteTransferResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.TransferState
     def __init__(self, state: _Optional[_Union[_common_pb2.TransferState, str]] = ...) -> None: ...
+
+class OfferGrantRequest(_message.Message):
+    __slots__ = ("broker_id", "epoch", "peer_address", "engine_id", "request_id", "sender_engine_id", "pages", "remaining_ms", "offer_token", "generation")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_MS_FIELD_NUMBER: _ClassVar[int]
+    OFFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    epoch: int
+    peer_address: str
+    engine_id: str
+    request_id: str
+    sender_engine_id: str
+    pages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ComponentPages]
+    remaining_ms: int
+    offer_token: str
+    generation: int
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., peer_address: _Optional[str] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., sender_engine_id: _Optional[str] = ..., pages: _Optional[_Iterable[_Union[_common_pb2.ComponentPages, _Mapping]]] = ..., remaining_ms: _Optional[int] = ..., offer_token: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class OfferGrantResponse(_message.Message):
+    __slots__ = ("broker_id", "epoch")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    epoch: int
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RevokeOfferRequest(_message.Message):
+    __slots__ = ("broker_id", "epoch", "engine_id", "request_id", "offer_token", "code", "reason")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    epoch: int
+    engine_id: str
+    request_id: str
+    offer_token: str
+    code: int
+    reason: str
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offer_token: _Optional[str] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class RevokeOfferResponse(_message.Message):
+    __slots__ = ("quiesced",)
+    QUIESCED_FIELD_NUMBER: _ClassVar[int]
+    quiesced: bool
+    def __init__(self, quiesced: _Optional[bool] = ...) -> None: ...
+
+class NotifyPartsRequest(_message.Message):
+    __slots__ = ("broker_id", "epoch", "notices")
+    BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NOTICES_FIELD_NUMBER: _ClassVar[int]
+    broker_id: str
+    epoch: int
+    notices: _containers.RepeatedCompositeFieldContainer[PartNotice]
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., notices: _Optional[_Iterable[_Union[PartNotice, _Mapping]]] = ...) -> None: ...
+
+class PartNotice(_message.Message):
+    __slots__ = ("engine_id", "request_id", "offer_token", "part", "parts_total", "succeeded", "code", "reason", "landed", "aux", "truncated_pages")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    PARTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LANDED_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    request_id: str
+    offer_token: str
+    part: int
+    parts_total: int
+    succeeded: bool
+    code: int
+    reason: str
+    landed: _containers.RepeatedCompositeFieldContainer[PartLanded]
+    aux: bytes
+    truncated_pages: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., offer_token: _Optional[str] = ..., part: _Optional[int] = ..., parts_total: _Optional[int] = ..., succeeded: _Optional[bool] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., landed: _Optional[_Iterable[_Union[PartLanded, _Mapping]]] = ..., aux: _Optional[bytes] = ..., truncated_pages: _Optional[int] = ...) -> None: ...
+
+class PartLanded(_message.Message):
+    __slots__ = ("component", "dst_offset", "pages")
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    DST_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    component: _common_pb2.Component
+    dst_offset: int
+    pages: int
+    def __init__(self, component: _Optional[_Union[_common_pb2.Component, str]] = ..., dst_offset: _Optional[int] = ..., pages: _Optional[int] = ...) -> None: ...
+
+class NotifyPartsResponse(_message.Message):
+    __slots__ = ("acks",)
+    ACKS_FIELD_NUMBER: _ClassVar[int]
+    acks: _containers.RepeatedCompositeFieldContainer[PartAck]
+    def __init__(self, acks: _Optional[_Iterable[_Union[PartAck, _Mapping]]] = ...) -> None: ...
+
+class PartAck(_message.Message):
+    __slots__ = ("state", "code", "reason")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.TransferState
+    code: int
+    reason: str
+    def __init__(self, state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...

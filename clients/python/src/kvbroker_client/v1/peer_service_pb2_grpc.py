@@ -51,6 +51,21 @@ class PeerServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__service__pb2.CompleteTransferRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.CompleteTransferResponse.FromString,
                 _registered_method=True)
+        self.OfferGrant = channel.unary_unary(
+                '/kvbroker.v1.PeerService/OfferGrant',
+                request_serializer=kvbroker_dot_v1_dot_peer__service__pb2.OfferGrantRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.OfferGrantResponse.FromString,
+                _registered_method=True)
+        self.RevokeOffer = channel.unary_unary(
+                '/kvbroker.v1.PeerService/RevokeOffer',
+                request_serializer=kvbroker_dot_v1_dot_peer__service__pb2.RevokeOfferRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.RevokeOfferResponse.FromString,
+                _registered_method=True)
+        self.NotifyParts = channel.unary_unary(
+                '/kvbroker.v1.PeerService/NotifyParts',
+                request_serializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -78,6 +93,30 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferGrant(self, request, context):
+        """The receiving broker offers a grant to the broker that is to write it (the decode-initiated
+        flow): the sender's Transfer then finds it by request id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeOffer(self, request, context):
+        """The receiving broker withdraws an offer (the grant was cancelled, expired or its engine went);
+        answers once no write into the grant runs on the called broker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NotifyParts(self, request, context):
+        """The sending broker tells the receiver which parts of offered grants landed or failed; one call
+        carries the notices of many requests.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +134,21 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.CompleteTransfer,
                     request_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.CompleteTransferRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__service__pb2.CompleteTransferResponse.SerializeToString,
+            ),
+            'OfferGrant': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferGrant,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.OfferGrantRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__service__pb2.OfferGrantResponse.SerializeToString,
+            ),
+            'RevokeOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeOffer,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.RevokeOfferRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__service__pb2.RevokeOfferResponse.SerializeToString,
+            ),
+            'NotifyParts': grpc.unary_unary_rpc_method_handler(
+                    servicer.NotifyParts,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +233,87 @@ class PeerService:
             '/kvbroker.v1.PeerService/CompleteTransfer',
             kvbroker_dot_v1_dot_peer__service__pb2.CompleteTransferRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__service__pb2.CompleteTransferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferGrant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerService/OfferGrant',
+            kvbroker_dot_v1_dot_peer__service__pb2.OfferGrantRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__service__pb2.OfferGrantResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerService/RevokeOffer',
+            kvbroker_dot_v1_dot_peer__service__pb2.RevokeOfferRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__service__pb2.RevokeOfferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyParts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbroker.v1.PeerService/NotifyParts',
+            kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsResponse.FromString,
             options,
             channel_credentials,
             insecure,
