@@ -1,7 +1,7 @@
 """One settings object for the broker: defaults, overridden by KVBROKER_* env vars, overridden by flags.
 
-`Settings` is built once by the CLI (`settings_from_args`) and handed down; nothing reads the
-environment anywhere else.
+`Settings` is built once by the CLI (`settings_from_args`, from the flags `add_settings_arguments`
+declares) and handed down; nothing reads the environment anywhere else.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ with health and reflection), listeners bound, the metrics endpoint if configured
 wait: until the first SIGTERM or SIGINT (`capture_signals`; a second one forces an exit).
 shutdown: NOT_SERVING at once, drain in-flight transfers within the grace period, stop the
 servers, release engines and the backend, stop the metrics endpoint. Tests call startup and
-shutdown directly; `kvbroker serve` (cli.py) calls serve.
+shutdown directly; `kvbroker serve` (cli.py) calls serve. Its parts: `new_epoch`, `peer_credentials`
+(TLS of the peer port), `Endpoints` (the addresses as bound).
 """
 
 from __future__ import annotations
