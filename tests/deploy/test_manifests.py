@@ -11,58 +11,22 @@ import pytest
 from kvbroker.config import Settings
 from kvbroker.probe import check
 from kvbroker.server import PEER_SERVICE
-from tests.deploy.conftest import OVERLAYS, dockerfile_instructions
+from tests.deploy.conftest import (
+    OVERLAYS,
+    broker,
+    dockerfile_instructions,
+    lowered,
+    one,
+    peer_port,
+    pod_spec,
+    server,
+    settings,
+    volume,
+)
 
 # 1.29: the first release with native sidecars on by default; and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 EXTENDED = re.compile(r"^(nvidia\.com/gpu|rdma/.+)$")
-
-
-def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"{len(found)} {kind}s"
-    return found[0]
-
-
-def pod_spec(docs: list[dict]) -> dict:
-    return one(docs, "Deployment")["spec"]["template"]["spec"]
-
-
-def broker(docs: list[dict]) -> dict:
-    (container,) = [c for c in pod_spec(docs).get("initContainers", []) if c["name"] == "kvbroker"]
-    return container
-
-
-def server(docs: list[dict]) -> dict:
-    (container,) = pod_spec(docs)["containers"]
-    return container
-
-
-def settings(docs: list[dict]) -> dict[str, str]:
-    data = one(docs, "ConfigMap")["data"]
-    ref = [e["configMapRef"]["name"] for e in broker(docs)["envFrom"]]
-    assert ref == [one(docs, "ConfigMap")["metadata"]["name"]]
-    return data
-
-
-def peer_port(docs: list[dict]) -> int:
-    return int(settings(docs)["KVBROKER_PEER_LISTEN"].rpartition(":")[2])
-
-
-def volume(docs: list[dict], mount_path: str, container: dict) -> dict:
-    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == mount_path]
-    (found,) = [v for v in pod_spec(docs)["volumes"] if v["name"] == mount["name"]]
-    return found
-
-
-@pytest.fixture(params=OVERLAYS)
-def role(request):
-    return request.param
-
-
-@pytest.fixture
-def docs(rendered, role):
-    return rendered[role]
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
@@ -174,10 +138,6 @@ def test_config_map_holds_valid_broker_settings_only(docs):
     Settings(**lowered(data))
     for entry in broker(docs)["env"]:
         assert entry["name"].removeprefix("KVBROKER_").lower() in Settings.model_fields, entry["name"]
-
-
-def lowered(env: dict[str, str]) -> dict[str, str]:
-    return {key.removeprefix("KVBROKER_").lower(): value for key, value in env.items()}
 
 
 @pytest.mark.integration
