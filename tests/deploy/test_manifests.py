@@ -16,6 +16,7 @@ from tests.deploy.conftest import (
     broker,
     broker_settings,
     dockerfile_instructions,
+    literal_env,
     lowered,
     one,
     peer_port,
@@ -30,11 +31,14 @@ KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 EXTENDED = re.compile(r"^(nvidia\.com/gpu|rdma/.+)$")
 # The probe the image's HEALTHCHECK runs: `python -m kvbroker.probe`, on the image's PATH.
 PROBE = next(i for i in dockerfile_instructions() if i.keyword == "HEALTHCHECK").exec_form()[:3]
+# Variables of the broker container read by the transfer engines, not by kvbroker: the data ports.
+ENGINE_VARIABLES = {"UCX_TCP_PORT_RANGE", "MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"}
 
 
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_every_manifest_is_valid_kubernetes(docs, version):
-    assert {d["kind"] for d in docs} == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget"}
+    assert {d["kind"] for d in docs} == {"ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
+                                         "NetworkPolicy"}
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 
@@ -137,7 +141,8 @@ def test_config_map_holds_valid_broker_settings_only(docs):
                for key in data), "pydantic-settings ignores an unknown KVBROKER_ variable silently"
     Settings(**lowered(data))
     for entry in broker(docs)["env"]:
-        assert entry["name"].removeprefix("KVBROKER_").lower() in Settings.model_fields, entry["name"]
+        known = entry["name"].removeprefix("KVBROKER_").lower() in Settings.model_fields
+        assert known or entry["name"] in ENGINE_VARIABLES, entry["name"]
 
 
 def test_pending_settings_are_not_settings_yet(rendered):
@@ -146,3 +151,8 @@ def test_pending_settings_are_not_settings_yet(rendered):
     for key in PENDING_SETTINGS:
         assert key.removeprefix("KVBROKER_").lower() not in Settings.model_fields, f"{key} exists now"
         assert key in carried, f"{key} is pending but no manifest carries it"
+
+
+def test_engine_variables_are_set_in_the_broker_container_only(docs):
+    assert ENGINE_VARIABLES <= set(literal_env(broker(docs)))
+    assert not ENGINE_VARIABLES & {e["name"] for e in server(docs).get("env", [])}
