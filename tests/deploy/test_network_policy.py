@@ -1,0 +1,117 @@
+"""The NetworkPolicy of each role: it fences the pod, admits only the other role's broker pods, on
+exactly the peer port and, where the broker is written to, the transfer engines' data ports; and a
+real broker, started with the manifests' settings, listens on nothing else."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.conftest import OTHER_ROLE, broker, broker_settings, literal_env, one, peer_port, pod_labels, selects
+
+# Whether brokers of a role are written to, so that the other role's engines connect to theirs. A
+# sender's engine only dials out (README.md, Security, Ports: SYNs seen across two namespaces).
+WRITTEN_TO = {"decode": True, "prefill": False}
+KERNEL_EPHEMERAL = range(32768, 61000)  # Linux's default ip_local_port_range, which Mooncake refuses
+
+
+def policy(docs: list[dict]) -> dict:
+    return one(docs, "NetworkPolicy")["spec"]
+
+
+def data_ports(docs: list[dict]) -> range:
+    """The engines' listening ports as the broker container's environment confines them."""
+    env = literal_env(broker(docs))
+    low, high = (int(port) for port in env["UCX_TCP_PORT_RANGE"].split("-"))
+    assert (int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"])) == (low, high), "one range for both engines"
+    return range(low, high + 1)
+
+
+def admitted(docs: list[dict]) -> set[tuple[str, int, int]]:
+    """(protocol, first port, last port) of every port the policy opens."""
+    found = set()
+    for rule in policy(docs)["ingress"]:
+        assert rule.get("ports"), "a rule without ports opens every port"
+        for port in rule["ports"]:
+            assert isinstance(port["port"], int), "a named port would not cover the engines' ports"
+            found.add((port.get("protocol", "TCP"), port["port"], port.get("endPort", port["port"])))
+    return found
+
+
+def test_policy_fences_ingress_to_this_roles_pods_only(docs, role, rendered):
+    spec = policy(docs)
+    assert spec["policyTypes"] == ["Ingress"]
+    assert selects(spec["podSelector"], pod_labels(docs))
+    assert not selects(spec["podSelector"], pod_labels(rendered[OTHER_ROLE[role]]))
+    assert not selects(spec["podSelector"], {"app.kubernetes.io/component": role})  # another app's pod
+
+
+def test_policy_admits_only_the_other_roles_broker_pods_of_this_namespace(docs, role, rendered):
+    other = pod_labels(rendered[OTHER_ROLE[role]])
+    assert policy(docs)["ingress"], "no rule: the other role could not reach this broker at all"
+    for rule in policy(docs)["ingress"]:
+        (source,) = rule["from"]  # an empty or missing `from` admits every source
+        assert set(source) == {"podSelector"}, "no namespaceSelector (other namespaces), no ipBlock"
+        selector = source["podSelector"]
+        assert selects(selector, other)
+        assert not selects(selector, pod_labels(docs))
+        assert not selects(selector, {"app.kubernetes.io/component": OTHER_ROLE[role]})  # not a kvbroker pod
+
+
+def test_policy_opens_the_peer_port_and_to_a_written_broker_the_data_ports(docs, role):
+    expected = {("TCP", peer_port(docs), peer_port(docs))}
+    if WRITTEN_TO[role]:
+        ports = data_ports(docs)
+        expected.add(("TCP", ports.start, ports.stop - 1))
+    assert admitted(docs) == expected
+
+
+def test_data_port_range_is_one_both_engines_honour(docs):
+    ports = data_ports(docs)
+    assert 1024 <= ports.start and ports.stop - 1 <= 65535
+    # Mooncake falls back to 15000-17000, which the policy does not open, for a range it refuses.
+    assert not set(ports) & set(KERNEL_EPHEMERAL)
+    assert peer_port(docs) not in ports
+
+
+def listeners(pid: int, tables: tuple[str, ...]) -> set[int]:
+    """Local ports of the sockets of process `pid` in these /proc/net tables: TCP ones in LISTEN
+    (state 0A), or every socket of a UDP table."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in tables:
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and (table.startswith("udp") or fields[3] == "0A"):
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+@pytest.mark.integration
+async def test_a_broker_with_the_manifests_settings_listens_only_where_the_policy_opens(rendered, backend,
+                                                                                         tmp_path):
+    from kvbroker.tools.launch import start_broker
+
+    docs = rendered["decode"]
+    env = {key: value for key, value in broker_settings(docs).items() if not key.startswith("KVBROKER_PEER_TLS")}
+    env.update(literal_env(broker(docs)), KVBROKER_BACKEND=backend, KVBROKER_METRICS_LISTEN="127.0.0.1:0",
+               KVBROKER_LISTEN=f"unix:{tmp_path}/kvbroker.sock")
+    process = await start_broker("ports", "--listen", env["KVBROKER_LISTEN"], env=env)
+    try:
+        tcp, udp = listeners(process.pid, ("tcp", "tcp6")), listeners(process.pid, ("udp", "udp6"))
+    finally:
+        await process.stop()
+    own = {int(process.peer_listen.rpartition(":")[2]), int(process.metrics_listen.rpartition(":")[2])}
+    engines = tcp - own
+    assert engines, "the engine opened no listener: the test would prove nothing"
+    assert engines <= set(data_ports(docs)), f"engine ports outside the policy's range: {sorted(engines)}"
+    assert own <= tcp and not udp
