@@ -608,3 +608,11 @@ class KvbrokerKVBootstrapServer(CommonKVBootstrapServer):
         if entry is None:
             return response
         return web.json_response({**json.loads(response.body), **entry}, status=200)
+
+    def close(self) -> None:
+        """SGLang's close, after ending the server's own cleanup task (upstream leaves it pending)."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running():
+            for task in list(self._background_tasks):
+                loop.call_soon_threadsafe(task.cancel)
+        super().close()
