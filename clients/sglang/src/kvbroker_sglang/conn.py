@@ -137,6 +137,7 @@ class KvbrokerKVManager(CommonKVManager):
         self._rooms_lock = threading.RLock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self.peers_changed = threading.Condition()  # prefill: notified when a decode rank registers
         try:
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             self._open()  # prefill opened it already, to PUT its broker on /route
@@ -303,7 +304,9 @@ class KvbrokerKVManager(CommonKVManager):
         tag = frames[0] if frames else b""
         if tag == REGISTER_TAG:
             registration = Registration.from_frames(frames)
-            self.decode_kv_args_table[registration.endpoint] = registration
+            with self.peers_changed:
+                self.decode_kv_args_table[registration.endpoint] = registration
+                self.peers_changed.notify_all()
             self.check_peer_aux_buffer_count(registration.endpoint, len(registration.aux_item_lens))
         elif tag == METADATA_TAG:
             self._on_metadata(Metadata.from_frames(frames))
