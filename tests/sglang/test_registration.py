@@ -60,9 +60,8 @@ async def test_the_manager_registers_three_components_with_their_layers(sglang_r
 
 async def test_a_pool_in_private_memory_is_refused_before_anything_registers(sglang_ranks, broker_pair):
     prefill, _ = broker_pair
-    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
-
     import torch
+    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
 
     pool = MiniMaxSparseKVPool(size=32, page_size=4, dtype=torch.bfloat16, head_num=1, head_dim=32, idx_head_dim=16,
                                dense_layer_ids=ranks.DENSE_LAYERS, sparse_layer_ids=ranks.SPARSE_LAYERS,
