@@ -471,7 +471,10 @@ class KvbrokerKVManager(CommonKVManager):
                     log.warning("kvbroker: request %s: prefill sent %d aux rows, this rank has %d buffers; the "
                                 "first %d are written", room, len(rows), len(self.kv_args.aux_data_ptrs),
                                 min(len(rows), len(self.kv_args.aux_data_ptrs)))
-                write_aux(rows, self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, index)
+                lens, items = self.kv_args.aux_data_lens, self.kv_args.aux_item_lens
+                if any((index + 1) * int(n) > int(total) for n, total in zip(items, lens)):
+                    raise AuxError(f"aux index {index} is past this rank's metadata buffers")
+                write_aux(rows, self.kv_args.aux_data_ptrs, items, index)
             except AuxError as exc:
                 self.fail(room, f"kvbroker aux: {exc}")
                 return
