@@ -2,7 +2,10 @@
 # Installs everything kvbroker needs on a fresh Debian machine with Python 3.11: the Debian
 # library Mooncake's CPU build loads (libibverbs1), a virtualenv in .venv with the client packages
 # (kvbroker_client, kvbroker_sglang), the daemon and both transfer engines (torch pinned to the
-# CPU build), and, with --test, the test tools (pytest & co. from PyPI, buf from npm into .tools/). Idempotent: a second run is quick.
+# CPU build), and, with --test, the test tools (pytest & co. from PyPI, buf from npm into .tools/) and
+# SGLang 0.5.23 for tests/sglang: without its own requirements (they pin a CUDA torch), with the pinned
+# list in constraints/sglang-cpu.txt of what its disaggregation modules import. Idempotent: a second
+# run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,10 +27,19 @@ fi
 stamp=.venv/.kvbroker-installed
 extras="nixl,mooncake-cpu"
 (( want_tests )) && extras="$extras,test"
-inputs=$(cat pyproject.toml clients/python/pyproject.toml clients/sglang/pyproject.toml constraints/cpu.txt; echo "$extras")
+# sglang's own requirements pin torch 2.14.1 (CUDA) and GPU kernels; PyPI's torchvision is a CUDA build
+# that cannot load its ops on CPU torch (tests/sglang/conftest.py says how the suite lives with that).
+sglang_pins="sglang==0.5.23 torchvision==0.28.0"
+inputs=$(cat pyproject.toml clients/python/pyproject.toml clients/sglang/pyproject.toml constraints/cpu.txt \
+    constraints/sglang-cpu.txt; echo "$extras $sglang_pins")
 if [[ ! -f $stamp ]] || [[ "$(cat "$stamp")" != "$(sha256sum <<<"$inputs" | cut -d' ' -f1)" ]]; then
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -c constraints/cpu.txt -e clients/python -e clients/sglang -e ".[$extras]"
+    if (( want_tests )); then
+        .venv/bin/python -m pip install -q -c constraints/cpu.txt -r constraints/sglang-cpu.txt
+        # shellcheck disable=SC2086  # two requirement specifiers
+        .venv/bin/python -m pip install -q --no-deps $sglang_pins
+    fi
     sha256sum <<<"$inputs" | cut -d' ' -f1 >"$stamp"
 fi
 

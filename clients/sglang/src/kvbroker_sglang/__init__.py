@@ -1,6 +1,12 @@
-"""kvbroker for SGLang's PD disaggregation: register a KVArgs with a broker, move requests, poll them.
+"""kvbroker for SGLang's PD disaggregation.
 
-SGLang is not a dependency: any object with KVArgs's attributes works. See `adapter` for the map.
+    plugin    the `sglang.srt.plugins` entry point: `--disaggregation-transfer-backend kvbroker`
+    conn      the manager, sender, receiver and bootstrap server SGLang 0.5.23 runs (imports sglang)
+    layout    KVArgs -> components; memory: pointers -> shared-memory / CUDA IPC references
+    aux       SGLang's metadata rows as the aux payload; wire: the ZMQ frames decode sends prefill
+    adapter   the older helper: a KVArgs-shaped object on a BrokerClient, without SGLang
+
+Only `conn` (and `plugin.load`) import SGLang; the rest works without it.
 """
 
 from kvbroker_sglang.adapter import (

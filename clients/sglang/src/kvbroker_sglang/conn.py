@@ -1,0 +1,624 @@
+"""kvbroker as an SGLang 0.5.23 transfer backend: the classes `get_kv_class(TransferBackend.KVBROKER, ...)` returns.
+
+SGLang's scheduler calls these synchronously, from its event loop; each KV manager owns a
+`LoopThread` on which its `BrokerClient` (a session to the broker in its pod) and every request's
+task run, so no call here waits on the network except the bounded ones at startup and shutdown.
+
+Discovery is SGLang's own: prefill ranks PUT /route on the bootstrap server, now with their broker's
+peer address and engine id; decode ranks GET /route, push a registration frame and, per request,
+a metadata frame over SGLang's ZMQ control socket (`wire`).
+
+    decode  KvbrokerKVReceiver.send_metadata -> ExpectTransfer(pages per component, offered to the
+            prefill broker) -> metadata frame -> watch the grant -> aux rows written -> Success
+    prefill metadata frame -> watch the offered sender record (PENDING: WaitingForInput)
+            KvbrokerKVSender.send per chunk -> one Transfer part; the last carries the states and aux
+    both    poll() is SGLang's KVPoll from the broker's states; a room that fails is cancelled on the
+            broker, and poll() holds it (Transferring) until the broker says no write into its
+            pages runs, so SGLang frees nothing a transfer still touches
+
+    KvbrokerKVManager, KvbrokerKVSender, KvbrokerKVReceiver, KvbrokerKVBootstrapServer
+    Settings (environment: KVBROKER_ADDRESS, KVBROKER_ENGINE_PREFIX, ...)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import zmq
+from aiohttp import web
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+    KVTransferError,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.runtime_context import get_parallel
+
+from kvbroker_client import BrokerClient, BrokerError, Component, NotFound, TransferState, TransferStatus
+from kvbroker_client.errors import DeadlineExceeded
+from kvbroker_sglang.aux import AuxError, decode_aux, encode_aux, write_aux
+from kvbroker_sglang.layout import engine_components, engine_topology, state_component_of
+from kvbroker_sglang.loop import LoopThread
+from kvbroker_sglang.memory import MemoryExporter, NotExportable
+from kvbroker_sglang.wire import METADATA_TAG, REGISTER_TAG, Metadata, Registration, WireError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS = "unix:/run/kvbroker/kvbroker.sock"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a KV manager reads from its environment, once."""
+
+    address: str = DEFAULT_ADDRESS  # KVBROKER_ADDRESS: the broker in this pod (unix:PATH or host:port)
+    engine_prefix: str = ""  # KVBROKER_ENGINE_PREFIX: engine ids are "<prefix>/<mode>/dp<d>-tp<t>-pp<p>"
+    connect_timeout_s: float = 30.0  # KVBROKER_CONNECT_TIMEOUT_S: startup: connect and register
+    call_timeout_s: float = 30.0  # KVBROKER_CALL_TIMEOUT_S: one offer, part or cancel
+    grant_expiry_s: float | None = None  # KVBROKER_GRANT_EXPIRY_S: unset takes the broker's default
+    watch_timeout_s: float = 600.0  # one WatchTransfer stream; watched again while the request lives
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> Settings:
+        def number(name: str, default):
+            value = env.get(name, "")
+            return float(value) if value else default
+
+        prefix = env.get("KVBROKER_ENGINE_PREFIX") or f"{socket.gethostname()}-{os.getpid()}"
+        return cls(address=env.get("KVBROKER_ADDRESS") or DEFAULT_ADDRESS,
+                   engine_prefix=re.sub(r"[^A-Za-z0-9._:-]", "-", prefix)[:64],
+                   connect_timeout_s=number("KVBROKER_CONNECT_TIMEOUT_S", cls.connect_timeout_s),
+                   call_timeout_s=number("KVBROKER_CALL_TIMEOUT_S", cls.call_timeout_s),
+                   grant_expiry_s=number("KVBROKER_GRANT_EXPIRY_S", None))
+
+
+class KvbrokerTransferError(KVTransferError):
+    """SGLang's KVTransferError with the broker's status code (`code`, a grpc.StatusCode) when it has one."""
+
+    def __init__(self, bootstrap_room: int, failure_reason: str, *, code=None, is_from_another_rank: bool = False):
+        super().__init__(bootstrap_room, failure_reason, is_from_another_rank)
+        self.code = code
+
+
+@dataclass
+class _Part:
+    pages: dict[Component, np.ndarray]
+    dst_offset: int
+    last: bool
+    aux: bytes
+    wait_event: object | None
+
+
+@dataclass
+class _Room:
+    """What the manager tracks of one request beyond SGLang's request_status."""
+
+    offered: bool = False  # decode: a grant exists on the broker; prefill: parts were handed to it
+    aux_index: int | None = None  # decode: where this request's aux rows go
+    task: object | None = None  # the follower (a concurrent Future on the loop)
+    cancel: object | None = None  # the cancel in flight, or done
+    lock: asyncio.Lock | None = None  # prefill: parts go to the broker in SGLang's order
+    code: object | None = None  # the broker's code of the first failure
+
+
+def _failure(error: BrokerError | TransferStatus) -> tuple[str, object]:
+    """(reason, code) of a broker error or a FAILED status, as SGLang's failure record says it."""
+    code = error.code
+    return f"kvbroker {getattr(code, 'name', code)}: {error.reason}", code
+
+
+class KvbrokerKVManager(CommonKVManager):
+    """One SGLang rank's engine on its broker, and the requests it moves (see the module's map)."""
+
+    # Deferred decode KV release: the broker's cancel answering stands for the prefill's drain ACK.
+    supports_deferred_decode_kv_release = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args, is_mla_backend=False):
+        self.settings = Settings.from_env()
+        self.loop: LoopThread | None = None
+        self.client: BrokerClient | None = None
+        self.engine_id = ""
+        self.broker_address = ""
+        self._rooms: dict[int, _Room] = {}
+        self._rooms_lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.peers_changed = threading.Condition()  # prefill: notified when a decode rank registers
+        try:
+            super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+            self._open()  # prefill opened it already, to PUT its broker on /route
+            if disaggregation_mode == DisaggregationMode.PREFILL:
+                self._start_thread(self._control_loop, "kvbroker control")
+            else:
+                self._threads.append(self._start_heartbeat_checker_thread())
+        except BaseException:
+            self.close()
+            raise
+
+    # -- startup and shutdown ------------------------------------------------------------------
+    def _open(self) -> None:
+        if self.client is not None:
+            return
+        mode = self.disaggregation_mode.value
+        self.engine_id = (f"{self.settings.engine_prefix}/{mode}/dp{self.system_dp_rank}-tp{self.kv_args.engine_rank}"
+                          f"-pp{self.pp_rank}")
+        exporter = MemoryExporter()
+        self._check_aux_on_host(exporter)
+        components = engine_components(self.kv_args, exporter.refs, is_mla=bool(self.is_mla_backend))
+        parallel = get_parallel()
+        topology = engine_topology(self.kv_args, components, tp_size=getattr(parallel, "tp_size", self.attn_tp_size),
+                                   tp_rank=self.kv_args.engine_rank, attn_tp_size=self.attn_tp_size,
+                                   attn_tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
+                                   dp_rank=self.system_dp_rank)
+        self.loop = LoopThread(f"kvbroker {self.engine_id}")
+        timeout = self.settings.connect_timeout_s
+
+        async def connect() -> tuple[BrokerClient, str]:
+            client = await BrokerClient.connect(self.settings.address, timeout=timeout,
+                                                holder=f"sglang {mode} {self.engine_id} pid {os.getpid()}")
+            try:
+                await client.register_engine(self.engine_id, topology, components)
+                return client, (await client.info()).peer_address
+            except BaseException:
+                await client.close()
+                raise
+
+        self.client, self.broker_address = self.loop.run(connect(), timeout=timeout + 5)
+        log.info("kvbroker: engine %s registered with the broker at %s (peer address %s): %s", self.engine_id,
+                 self.settings.address, self.broker_address,
+                 ", ".join(f"{c.component.name} {len(c.layer_buffers)} buffers" for c in components))
+
+    def _check_aux_on_host(self, exporter: MemoryExporter) -> None:
+        driver = exporter._cuda
+        for i, ptr in enumerate(self.kv_args.aux_data_ptrs):
+            if driver is not None and driver.allocation(int(ptr)) is not None:
+                raise NotExportable(f"aux_data_ptrs[{i}] is GPU memory: kvbroker moves SGLang's metadata rows as "
+                                    "bytes read on the host; unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        """Stop the threads, end every task, close the session (the broker then releases the engine)."""
+        self._stopping.set()
+        if hasattr(self, "_heartbeat_shutdown"):
+            self._heartbeat_shutdown.set()
+        for thread in self._threads:
+            thread.join(5)
+        if self.loop is not None:
+            client = self.client
+            self.loop.close(before_stop=client.close() if client is not None else None)
+        socket_ = getattr(self, "server_socket", None)
+        if socket_ is not None:
+            socket_.close(linger=0)
+
+    # -- bootstrap (prefill): the /route row carries the broker ---------------------------------
+    def _register_topology_row(self, url: str, payload: dict) -> None:
+        self._open()
+        payload = {**payload, "kvbroker": {"broker_address": self.broker_address, "engine_id": self.engine_id}}
+        super()._register_topology_row(url, payload)
+
+    # -- frames decode pushes to prefill -------------------------------------------------------
+    def build_receiver_registration_message(self) -> list[bytes]:
+        return Registration(f"{self.local_ip}:{self.rank_port}", self.broker_address, self.engine_id,
+                            self.attn_tp_size, self.kv_args.engine_rank,
+                            tuple(int(x) for x in self.kv_args.aux_item_lens)).to_frames()
+
+    def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index,
+                                        state_indices, decode_prefix_len, is_dummy, device_kv_indices=None):
+        return Metadata(int(bootstrap_room), f"{self.local_ip}:{self.rank_port}", self.engine_id,
+                        int(required_dst_info_num), int(decode_prefix_len or 0), bool(is_dummy)).to_frames()
+
+    # -- request state, shared by the scheduler, the control thread and the loop ----------------
+    def room(self, room: int) -> _Room:
+        with self._rooms_lock:
+            return self._rooms.setdefault(room, _Room())
+
+    def update_status(self, bootstrap_room: int, status: KVPoll):
+        with self._rooms_lock:
+            super().update_status(bootstrap_room, status)
+            state = self._rooms.get(bootstrap_room)
+        if status == KVPoll.Failed and state is not None and state.offered and state.cancel is None:
+            self._cancel(bootstrap_room, state, self.failure_records.get(bootstrap_room, "request failed"))
+
+    def fail(self, room: int, reason: str, code=None) -> None:
+        """Record the first root cause of a room's failure (and the broker's code) and mark it Failed."""
+        with self._rooms_lock:
+            if room not in self.request_status or self.request_status[room] == KVPoll.Success:
+                return
+            with self.failure_lock:
+                self.failure_records.setdefault(room, reason)
+            state = self._rooms.get(room)
+            if state is not None and state.code is None:
+                state.code = code
+        self.update_status(room, KVPoll.Failed)
+
+    def holding(self, room: int) -> bool:
+        """Whether SGLang must not free the room's pages yet: its cancel has not answered."""
+        state = self._rooms.get(room)
+        return state is not None and state.cancel is not None and not state.cancel.done()
+
+    def forget(self, room: int) -> None:
+        with self._rooms_lock:
+            state = self._rooms.pop(room, None)
+        if state is not None and state.task is not None:
+            state.task.cancel()
+
+    def failure_code(self, room: int):
+        state = self._rooms.get(room)
+        return None if state is None else state.code
+
+    def _cancel(self, room: int, state: _Room, reason: str, acks: tuple[int, int] | None = None) -> None:
+        """Cancel the room on the broker: it answers once no write into the grant runs."""
+        follower = state.task
+
+        async def cancel() -> None:
+            if follower is not None:
+                follower.cancel()
+            try:
+                await self.client.cancel(self.engine_id, str(room), reason[:512], timeout=self.settings.call_timeout_s)
+            except NotFound:
+                pass  # never offered here, or already gone: nothing writes into it
+            except BrokerError as exc:
+                log.error("kvbroker: cancelling request %s on the broker failed (%s); its pages are released "
+                          "anyway", room, exc)
+            if acks is not None:
+                generation, count = acks
+                for rank in range(count):
+                    self.note_abort_ack(room, rank, generation)
+
+        if self.loop is None or self.client is None:
+            return
+        state.cancel = self.loop.spawn(cancel(), name=f"cancel {room}")
+
+    # -- prefill: the control socket -------------------------------------------------------------
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.server_socket, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(200):  # wakes to see _stopping; frames are handled as they come
+                continue
+            frames = self.server_socket.recv_multipart()
+            try:
+                self._on_control(frames)
+            except (WireError, ValueError) as exc:
+                log.warning("kvbroker: dropping a control frame: %s", exc)
+
+    def _on_control(self, frames: list[bytes]) -> None:
+        tag = frames[0] if frames else b""
+        if tag == REGISTER_TAG:
+            registration = Registration.from_frames(frames)
+            with self.peers_changed:
+                self.decode_kv_args_table[registration.endpoint] = registration
+                self.peers_changed.notify_all()
+            self.check_peer_aux_buffer_count(registration.endpoint, len(registration.aux_item_lens))
+        elif tag == METADATA_TAG:
+            self._on_metadata(Metadata.from_frames(frames))
+        elif tag == ABORT_TAG:
+            notification = AbortNotification.from_zmq(frames)
+            if notification is not None:
+                self.fail(notification.room, "the decode side aborted the request")
+        else:
+            raise WireError(f"unknown control frame {tag[:32]!r}")
+
+    def _on_metadata(self, meta: Metadata) -> None:
+        room = meta.room
+        with self._rooms_lock:
+            infos = self.transfer_infos.setdefault(room, {})
+            infos[meta.endpoint] = meta
+            if len(infos) < meta.required_dst_info_num:
+                return
+            self.req_to_decode_prefix_len[room] = meta.decode_prefix_len
+            real = [info for info in infos.values() if not info.is_dummy]
+        if not real:
+            self.update_status(room, KVPoll.WaitingForInput)
+        elif len(real) > 1:
+            self.fail(room, f"kvbroker moves a request from one prefill rank into one decode rank; {len(real)} "
+                            "decode ranks asked this rank for it (decode attention TP above prefill's)")
+        else:
+            state = self.room(room)
+            state.task = self.loop.spawn(self._follow(room, sender=True), name=f"watch {room}")
+
+    # -- prefill: parts ----------------------------------------------------------------------------
+    def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
+                             aux_index: int | None = None, state_indices=None, num_kv_tokens=None, *,
+                             wait_event=None, indices_event=None, trace_ctx=None) -> None:
+        """One chunk of a request (CommonKVSender.send): a Transfer part, in order, on the loop."""
+        room = bootstrap_room
+        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+            return
+        infos = self.transfer_infos.get(room)
+        if not infos:
+            return  # decode never asked this rank (SGLang skips such rooms too)
+        if all(info.is_dummy for info in infos.values()):
+            if is_last_chunk:
+                self.update_status(room, KVPoll.Success)
+            return
+        pages: dict[Component, np.ndarray] = {}
+        if len(kv_indices):
+            pages[Component.MAIN_KV] = np.asarray(kv_indices, dtype=np.int64).copy()
+        aux = b""
+        if is_last_chunk:
+            for i, indices in enumerate(state_indices or ()):
+                if indices is not None:
+                    pages[state_component_of(self.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
+            if aux_index is not None:
+                aux = encode_aux(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, int(aux_index))
+        state = self.room(room)
+        state.offered = True
+        part = _Part(pages, int(index_slice.start), bool(is_last_chunk), aux, wait_event or indices_event)
+        self.loop.spawn(self._send_part(room, state, part), name=f"part {room}@{part.dst_offset}")
+
+    async def _send_part(self, room: int, state: _Room, part: _Part) -> None:
+        if state.lock is None:
+            state.lock = asyncio.Lock()
+        async with state.lock:
+            if self.request_status.get(room) in (None, KVPoll.Failed) or state.cancel is not None:
+                return
+            if part.wait_event is not None:  # SGLang's early send: the forward may still write these pages
+                await asyncio.to_thread(part.wait_event.synchronize)
+            offsets = {Component.MAIN_KV: part.dst_offset} if Component.MAIN_KV in part.pages else {}
+            try:
+                status = await self.client.transfer_part(self.engine_id, str(room), part.pages, dst_offsets=offsets,
+                                                         last=part.last, aux=part.aux,
+                                                         timeout=self.settings.call_timeout_s)
+            except BrokerError as exc:
+                self.fail(room, *_failure(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug must fail the room, not strand it
+                log.exception("kvbroker: part of request %s", room)
+                self.fail(room, f"kvbroker client error: {exc!r}")
+                return
+            self._apply(room, status)
+
+    # -- decode: the offer -----------------------------------------------------------------------
+    def offer(self, receiver: KvbrokerKVReceiver, target: dict, pages: dict[Component, np.ndarray],
+              deliveries: list[tuple[dict, list[bytes]]], aux_index: int | None) -> None:
+        room = receiver.bootstrap_room
+        state = self.room(room)
+        state.aux_index, state.offered = aux_index, True
+        state.task = self.loop.spawn(self._offer_and_follow(receiver, room, target, pages, deliveries),
+                                     name=f"offer {room}")
+
+    async def _offer_and_follow(self, receiver, room: int, target: dict, pages, deliveries) -> None:
+        try:
+            await self.client.expect_transfer(self.engine_id, str(room), pages=pages,
+                                              sender_address=target["kvbroker_address"],
+                                              sender_engine_id=target["kvbroker_engine_id"],
+                                              expiry_s=self.settings.grant_expiry_s,
+                                              timeout=self.settings.call_timeout_s)
+        except BrokerError as exc:
+            self.fail(room, *_failure(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the room, not strand it
+            log.exception("kvbroker: offer of request %s", room)
+            self.fail(room, f"kvbroker client error: {exc!r}")
+            return
+        for info, frames in deliveries:
+            try:
+                await asyncio.to_thread(self._push, receiver, info, frames)
+            except zmq.ZMQError as exc:
+                self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
+                return
+        await self._follow(room, sender=False)
+
+    @staticmethod
+    def _push(receiver: CommonKVReceiver, info: dict, frames: list[bytes]) -> None:
+        sock, lock = receiver._connect_to_bootstrap_server(info)
+        with lock:
+            sock.send_multipart(frames)
+
+    # -- both: the broker's view of a request ------------------------------------------------------
+    async def _follow(self, room: int, *, sender: bool) -> None:
+        """Watch the request on this side's broker until it ends, into SGLang's request_status."""
+        while room in self.request_status:
+            try:
+                async for status in self.client.watch(self.engine_id, str(room),
+                                                      timeout=self.settings.watch_timeout_s):
+                    self._apply(room, status)
+                    if status.state.terminal:
+                        return
+            except DeadlineExceeded:
+                continue  # a long wait (prefill queue): watch again
+            except NotFound:
+                what = "the decode broker's offer for it" if sender else "its grant"
+                self.fail(room, f"kvbroker NOT_FOUND: this broker has no record of request {room} ({what} was "
+                                "lost, expired or revoked)", None)
+                return
+            except BrokerError as exc:
+                self.fail(room, *_failure(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - a bug must fail the room, not strand it
+                log.exception("kvbroker: watch of request %s", room)
+                self.fail(room, f"kvbroker client error: {exc!r}")
+                return
+
+    def _apply(self, room: int, status: TransferStatus) -> None:
+        if status.state is TransferState.PENDING:
+            self.update_status(room, KVPoll.WaitingForInput)
+        elif status.state is TransferState.TRANSFERRING:
+            self.update_status(room, KVPoll.Transferring)
+        elif status.state is TransferState.FAILED:
+            self.fail(room, *_failure(status))
+        elif self.disaggregation_mode == DisaggregationMode.DECODE:
+            self._land_aux(room, status)
+        else:
+            self.update_status(room, KVPoll.Success)
+
+    def _land_aux(self, room: int, status: TransferStatus) -> None:
+        state = self._rooms.get(room)
+        index = None if state is None else state.aux_index
+        if index is not None:
+            try:
+                rows = decode_aux(status.aux)
+                if len(rows) != len(self.kv_args.aux_data_ptrs):
+                    log.warning("kvbroker: request %s: prefill sent %d aux rows, this rank has %d buffers; the "
+                                "first %d are written", room, len(rows), len(self.kv_args.aux_data_ptrs),
+                                min(len(rows), len(self.kv_args.aux_data_ptrs)))
+                lens, items = self.kv_args.aux_data_lens, self.kv_args.aux_item_lens
+                if any((index + 1) * int(n) > int(total) for n, total in zip(items, lens)):
+                    raise AuxError(f"aux index {index} is past this rank's metadata buffers")
+                write_aux(rows, self.kv_args.aux_data_ptrs, items, index)
+            except AuxError as exc:
+                self.fail(room, f"kvbroker aux: {exc}")
+                return
+        self.update_status(room, KVPoll.Success)
+
+
+class KvbrokerKVSender(CommonKVSender):
+    """Prefill side of one request: CommonKVSender's lifecycle, parts through the manager."""
+
+    kv_mgr: KvbrokerKVManager
+
+    def poll(self) -> KVPoll:
+        if self.kv_mgr.holding(self.bootstrap_room):
+            return KVPoll.Transferring
+        return super().poll()
+
+    def poll_pp_consensus(self) -> KVPoll:
+        if self.kv_mgr.holding(self.bootstrap_room):
+            return KVPoll.Transferring
+        return super().poll_pp_consensus()
+
+    def abort(self) -> None:
+        state = self.kv_mgr.room(self.bootstrap_room)
+        state.offered = True  # the decode's offer may sit on our broker: cancelling it tells decode
+        super().abort()
+
+    def clear(self) -> None:
+        super().clear()
+        if not self.kv_mgr.holding(self.bootstrap_room):
+            self.kv_mgr.forget(self.bootstrap_room)
+
+    def failure_exception(self):
+        code = self.kv_mgr.failure_code(self.bootstrap_room)
+        try:
+            super().failure_exception()
+        except KVTransferError as exc:
+            raise KvbrokerTransferError(exc.bootstrap_room, exc.failure_reason, code=code,
+                                        is_from_another_rank=exc.is_from_another_rank) from None
+
+
+class KvbrokerKVReceiver(CommonKVReceiver):
+    """Decode side of one request: discovery as CommonKVReceiver, then a grant offered to the prefill broker."""
+
+    kv_mgr: KvbrokerKVManager
+
+    def send_metadata(self, kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None,
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE, device_kv_indices=None):
+        room = self.bootstrap_room
+        if self.bootstrap_infos is None:
+            self.kv_mgr.fail(room, f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}")
+            return
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("kvbroker writes into decode's device pages only (no host destinations)")
+        targets = [info for info in self.bootstrap_infos if not info.get("is_dummy")]
+        if len(targets) != 1:
+            self.kv_mgr.fail(room, f"kvbroker moves a request from one prefill rank; this decode rank maps to "
+                                   f"{len(targets)} (attention TP or PP differ between prefill and decode)")
+            return
+        target = targets[0]
+        if not target.get("kvbroker_address") or not target.get("kvbroker_engine_id"):
+            self.kv_mgr.fail(room, f"the prefill rank {target.get('rank_ip')}:{target.get('rank_port')} registered "
+                                   "no kvbroker engine on its bootstrap server: run prefill with "
+                                   "--disaggregation-transfer-backend kvbroker too")
+            return
+        pages = {Component.MAIN_KV: np.asarray(kv_indices, dtype=np.int64).reshape(-1)}
+        for i in range(len(self.kv_mgr.kv_args.state_types or ())):
+            indices = None if state_indices is None else state_indices[i]
+            if indices is None:
+                self.kv_mgr.fail(room, f"SGLang gave no pages for state {self.kv_mgr.kv_args.state_types[i]}")
+                return
+            pages[state_component_of(self.kv_mgr.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
+        deliveries = [(info, self.kv_mgr.build_receiver_metadata_message(
+            bootstrap_room=room, required_dst_info_num=self.required_dst_info_num, kv_indices=kv_indices,
+            aux_index=aux_index, state_indices=state_indices, decode_prefix_len=decode_prefix_len,
+            is_dummy=bool(info.get("is_dummy")))) for info in self.bootstrap_infos]
+        self.kv_mgr.offer(self, target, pages, deliveries, aux_index)
+        self.init_time = time.time()
+
+    def poll(self) -> KVPoll:
+        if self.kv_mgr.holding(self.bootstrap_room):
+            return KVPoll.Transferring
+        return super().poll()
+
+    def _send_abort_notification(self, *, force_arm: bool = False):
+        super()._send_abort_notification(force_arm=force_arm)
+        state = self.kv_mgr.room(self.bootstrap_room)
+        if state.offered and state.cancel is None:
+            acks = None if self._abort_generation is None else (self._abort_generation, len(self.bootstrap_infos))
+            reason = self.kv_mgr.failure_records.get(self.bootstrap_room, "aborted by SGLang decode")
+            self.kv_mgr._cancel(self.bootstrap_room, state, reason, acks)
+
+    def clear(self) -> None:
+        super().clear()
+        if not self.kv_mgr.holding(self.bootstrap_room):
+            self.kv_mgr.forget(self.bootstrap_room)
+
+    def failure_exception(self):
+        code = self.kv_mgr.failure_code(self.bootstrap_room)
+        try:
+            super().failure_exception()
+        except KVTransferError as exc:
+            raise KvbrokerTransferError(exc.bootstrap_room, exc.failure_reason, code=code,
+                                        is_from_another_rank=exc.is_from_another_rank) from None
+
+
+class KvbrokerKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server; a prefill rank's /route row also names its broker and engine."""
+
+    def __init__(self, host: str, port: int):
+        self.kvbroker_ranks: dict[tuple[int, int, int, int], dict] = {}
+        super().__init__(host, port)
+
+    async def _handle_route_put(self, request: web.Request):
+        data = await request.json()
+        response = await super()._handle_route_put(request)
+        entry = data.get("kvbroker")
+        if response.status == 200 and isinstance(entry, dict):
+            dp_group = data["attn_dp_rank"] if data["system_dp_size"] == 1 else data["system_dp_rank"]
+            key = (int(dp_group), int(data["attn_cp_rank"]), int(data["attn_tp_rank"]), int(data["pp_rank"]))
+            async with self.lock:
+                self.kvbroker_ranks[key] = {"kvbroker_address": str(entry.get("broker_address", "")),
+                                            "kvbroker_engine_id": str(entry.get("engine_id", ""))}
+        return response
+
+    async def _handle_route_get(self, request: web.Request):
+        response = await super()._handle_route_get(request)
+        query = request.query
+        try:
+            key = tuple(int(query[k]) for k in ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank",
+                                                "target_pp_rank"))
+        except (KeyError, ValueError):
+            return response
+        if response.status != 200 or key[0] == -1:
+            return response
+        async with self.lock:
+            entry = self.kvbroker_ranks.get(key)
+        if entry is None:
+            return response
+        return web.json_response({**json.loads(response.body), **entry}, status=200)
+
+    def close(self) -> None:
+        """SGLang's close, after ending the server's own cleanup task (upstream leaves it pending)."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and loop.is_running():
+            for task in list(self._background_tasks):
+                loop.call_soon_threadsafe(task.cancel)
+        super().close()
