@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker.launch import start_broker
+from kvbroker.tools.launch import start_broker
 from kvbroker_client import BrokerClient
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender, KvbrokerTransferError
 from tests.sglang import ranks
