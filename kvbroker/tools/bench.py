@@ -399,7 +399,7 @@ async def registration(sides: list[Side], plan: Plan, say) -> dict:
     rows = []
     for side in sides:
         register_s, unregister_s = [], []
-        with SharedSegment.create(size, "kvb-bench-reg") as seg:  # never touched: pages stay unallocated
+        with SharedSegment.create(size, "kvb-bench-reg") as seg:  # allocated at creation, as servers should
             for rep in range(plan.registration_repeats):
                 engine_id = f"bench-reg-{rep}"
                 request = shapes.register_request(engine_id, shape, seg, placements)
