@@ -250,4 +250,5 @@ class _Resolver:
         if m.offset + buf.length > seg.size:
             raise invalid(f"{at}.shared_memory: offset {m.offset} + length {buf.length} "
                           f"exceeds segment {m.name!r} of {seg.size} bytes")
+        seg.reserve(m.offset, buf.length, f"{at}.shared_memory")
         return seg.address + m.offset, MemoryKind.HOST, 0
