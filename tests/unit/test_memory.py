@@ -1,5 +1,5 @@
 """Shared-memory segments as the broker maps them: reservation, the shrink check, the SIGBUS guard,
-and the identity of the file a name points at.
+and overlaps compared by file identity.
 
 Faults happen only in child processes (a plain `python -c`): a SIGBUS in the test process would end
 the suite, and pytest's own faulthandler would be in the way.
@@ -20,9 +20,22 @@ import pytest
 from kvbroker import memory
 from kvbroker.errors import BrokerError, Code
 from kvbroker.memory import map_shared_memory, segment_identity
+from kvbroker.model import (
+    BufferRole,
+    Component,
+    ComponentSpec,
+    EngineSpec,
+    KvDtype,
+    LayerBuffer,
+    Layout,
+    SharedMemoryRef,
+    Topology,
+)
+from kvbroker.registry import Registry
 from kvbroker_client.shm import SharedSegment
 
 SHM = Path("/dev/shm")
+TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 
 
 @pytest.fixture
@@ -266,3 +279,53 @@ def test_segment_identity_is_the_file_not_the_name(segment):
         symlink.unlink()
     assert segment_identity("kvbt-no-such-segment") is None
     assert segment_identity("../etc/passwd") is None
+
+
+def buf(layer, name, offset=0, length=1024):
+    return LayerBuffer(layer, BufferRole.FLAT, SharedMemoryRef(name, offset), length, 64)
+
+
+def spec(engine_id, *buffers):
+    return EngineSpec(engine_id, TOPO, (ComponentSpec(Component.MINIMAX_INDEX_K, Layout.FLAT, 16, buffers),))
+
+
+@pytest.fixture
+def registry():
+    made = Registry(1 << 20)
+    yield made
+    for engine in made:
+        made.remove(engine.engine_id)
+        engine.release()
+
+
+def test_a_hard_link_to_another_engines_segment_is_an_overlap(registry, segment):
+    registry.add(registry.build(spec("a", buf(2, segment.name))))
+    link = SHM / f"{segment.name}-hard"
+    os.link(SHM / segment.name, link)
+    try:
+        with pytest.raises(BrokerError) as info:
+            registry.build(spec("b", buf(2, link.name, offset=512)))
+        registry.add(registry.build(spec("c", buf(2, link.name, offset=1024))))  # beside it: fine
+    finally:
+        link.unlink()
+    assert info.value.code is Code.INVALID_ARGUMENT
+    assert (f"components[0].layer_buffers[0] (layer 2, FLAT).memory: overlaps components[0].layer_buffers[0] "
+            f"(layer 2, FLAT) of engine 'a' in segment {link.name!r} (the same file as segment {segment.name!r}: "
+            "a hard link) ([512, 1536) and [0, 1024))") == info.value.message
+
+
+def test_a_name_pointed_at_another_engines_file_after_the_check_is_refused_when_added(registry, segment):
+    registry.add(registry.build(spec("a", buf(2, segment.name))))
+    with SharedSegment.create(1 << 16, "kvbt-mem") as innocent:
+        checked = spec("b", buf(2, innocent.name))
+        registry.check(checked)  # the name is another file now
+        os.link(SHM / segment.name, SHM / f"{innocent.name}-swap")
+        os.rename(SHM / f"{innocent.name}-swap", SHM / innocent.name)  # and the first engine's file when mapped
+        engine = registry.materialise(checked)
+        try:
+            with pytest.raises(BrokerError) as info:
+                registry.add(engine)
+        finally:
+            engine.release()
+    assert info.value.code is Code.INVALID_ARGUMENT and "of engine 'a'" in info.value.message
+    assert "b" not in registry
