@@ -25,6 +25,7 @@ import numpy as np
 
 from kvbroker.backends.base import Backend
 from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.memory import check_segments
 from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
 from kvbroker.peer_link import PeerLink
 from kvbroker.registry import Engine, Registry
@@ -150,6 +151,7 @@ class Broker:
         self._check_accepting()
         check_identifier(request_id, "request_id")
         engine = self.registry.get(engine_id)
+        check_segments(engine.held, engine_id)
         kinds = check_components(components, "components")
         num_pages = registered_pages(engine.layout, kinds)
         check_page_ids(dst_page_ids, "dst_page_ids", num_pages, self.limits.max_pages_per_request, unique=True)
@@ -167,6 +169,7 @@ class Broker:
               dst_page_ids: np.ndarray, claimant: str) -> tuple[Grant, int]:
         self._check_accepting()
         engine = self.registry.get(engine_id)
+        check_segments(engine.held, engine_id)
         grant = self.table.claim(engine_id, request_id, tuple(components), dst_page_ids, claimant)
         return grant, engine.generation
 
@@ -181,6 +184,12 @@ class Broker:
         if not claimed and (succeeded or record.state is not TransferState.PENDING):
             raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
         if succeeded:
+            if (engine := self.registry.find(engine_id)) is not None:
+                try:  # the write may have crossed a segment shrunk meanwhile: its bytes are not there
+                    check_segments(engine.held, engine_id)
+                except BrokerError as exc:
+                    self.table.fail(record, exc.code, exc.message)
+                    raise
             self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)
         else:
             self.table.fail(record, code or Code.ABORTED, f"sender {claimant!r} failed: {reason}")
