@@ -76,11 +76,18 @@ class MappedSegment:
     _mmap: mmap.mmap = field(repr=False)
     _anchor: ctypes.Array = field(repr=False)
     extent: int = 0  # bytes from the start that registered buffers cover: the file may not shrink below it
+    _allocated: bool = field(default=False, repr=False)  # every page of the file was, when last reserved
     _charged_logged: bool = field(default=False, repr=False)
 
     def reserve(self, offset: int, length: int, field_name: str) -> None:
         """Allocate the tmpfs blocks of [offset, offset + length): a registered buffer."""
-        before = os.fstat(self._fd).st_blocks
+        self.extent = max(self.extent, offset + length)
+        if self._allocated:
+            return
+        before = os.fstat(self._fd)
+        if before.st_blocks * 512 >= before.st_size:  # every page allocated: fallocate would walk them for nothing
+            self._allocated = True  # for the segment's other buffers too: they are registered with this one
+            return
         try:
             _memguard.reserve(self._fd, offset, length)
         except OSError as exc:
@@ -98,14 +105,13 @@ class MappedSegment:
                     "them (posix_fallocate), or raise the broker container's memory limit")) from None
             else:
                 raise invalid(f"{field_name}: cannot allocate segment {self.name!r}: {exc.strerror}") from None
-        self.extent = max(self.extent, offset + length)
-        added = (os.fstat(self._fd).st_blocks - before) * 512
+        added = (os.fstat(self._fd).st_blocks - before.st_blocks) * 512
         if added and not self._charged_logged:
             self._charged_logged = True
-            log.warning("segment %r was not allocated by its server: the broker allocated %d bytes of it, which "
-                        "count against the broker's memory; allocate segments when creating them "
-                        "(posix_fallocate, as kvbroker_client does)", self.name, added,
-                        extra={"segment": self.name, "bytes": added})
+            log.warning("segment %r was not allocated by its server: the broker allocates the missing pages of "
+                        "its registered buffers (%d bytes under the first), and they count against the broker's "
+                        "memory; allocate segments when creating them (posix_fallocate, as kvbroker_client does)",
+                        self.name, added, extra={"segment": self.name, "bytes": added})
 
     @property
     def poisoned(self) -> bool:

@@ -206,12 +206,15 @@ class Registry:
     def _spans(spec: EngineSpec, identity: Callable[[str], tuple[int, int] | None]) -> list[_Span]:
         """The byte ranges a spec claims, each keyed by its memory; `identity` resolves a segment name to its file."""
         spans = []
+        files: dict[str, tuple[int, int] | None] = {}  # one stat per segment, not per buffer
         for i, comp in enumerate(spec.components):
             for j, buf in enumerate(comp.layer_buffers):
                 where = f"components[{i}].layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name})"
                 m = buf.memory
                 if isinstance(m, SharedMemoryRef):
-                    file = identity(m.name)  # None: no such file; mapping it will say so
+                    if m.name not in files:
+                        files[m.name] = identity(m.name)
+                    file = files[m.name]  # None: no such file; mapping it will say so
                     memory = ("shm-name", m.name) if file is None else ("shm", *file)
                     spans.append(_Span(memory, f"segment {m.name!r}", m.offset, m.offset + buf.length,
                                        spec.engine_id, where))

@@ -197,10 +197,15 @@ def test_reserve_allocates_what_the_server_did_not_and_says_so(sparse, caplog):
     assert len(warnings) == 1 and warnings[0].levelname == "WARNING"  # once per segment
 
 
-def test_reserve_of_an_allocated_segment_says_nothing(segment, caplog):
+def test_an_allocated_segment_is_not_walked_again(segment, caplog, monkeypatch):
+    def walk(fd, offset, length):
+        raise AssertionError("fallocate of a segment with every page allocated")
+
     seg = map_shared_memory(segment.name, "name")
+    monkeypatch.setattr(memory._memguard, "reserve", walk)
     try:
         seg.reserve(0, 1 << 16, "name")
+        assert seg.extent == 1 << 16
     finally:
         seg.close()
     assert not [r for r in caplog.records if "was not allocated" in r.getMessage()]
@@ -211,11 +216,11 @@ def test_reserve_of_an_allocated_segment_says_nothing(segment, caplog):
     (errno.ENOMEM, Code.RESOURCE_EXHAUSTED, "the broker's memory limit cannot hold 4096 bytes"),
     (errno.EIO, Code.INVALID_ARGUMENT, "cannot allocate segment"),
 ])
-def test_a_reservation_the_kernel_refuses_names_the_field_and_the_segment(segment, monkeypatch, err, code, words):
+def test_a_reservation_the_kernel_refuses_names_the_field_and_the_segment(sparse, monkeypatch, err, code, words):
     def refuse(fd, offset, length):
         raise OSError(err, os.strerror(err))
 
-    seg = map_shared_memory(segment.name, "components[0].layer_buffers[0].memory.shared_memory")
+    seg = map_shared_memory(sparse.name, "components[0].layer_buffers[0].memory.shared_memory")
     monkeypatch.setattr(memory._memguard, "reserve", refuse)
     try:
         with pytest.raises(BrokerError) as info:
@@ -224,14 +229,14 @@ def test_a_reservation_the_kernel_refuses_names_the_field_and_the_segment(segmen
         seg.close()
     assert info.value.code is code
     assert info.value.message.startswith("components[0].layer_buffers[0].memory.shared_memory: ")
-    assert words in info.value.message and segment.name in info.value.message
+    assert words in info.value.message and sparse.name in info.value.message
 
 
-def test_a_filesystem_without_fallocate_is_mapped_unreserved(segment, monkeypatch):
+def test_a_filesystem_without_fallocate_is_mapped_unreserved(sparse, monkeypatch):
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "not supported")
 
-    seg = map_shared_memory(segment.name, "name")
+    seg = map_shared_memory(sparse.name, "name")
     monkeypatch.setattr(memory._memguard, "reserve", unsupported)
     try:
         seg.reserve(0, 4096, "name")
