@@ -186,11 +186,12 @@ def map_shared_memory(name: str, field_name: str) -> MappedSegment:
     try:
         install_sigbus_guard()
         slot = _memguard.watch(address, st.st_size)
-    except (OverflowError, RuntimeError) as exc:
+    except (OverflowError, RuntimeError) as exc:  # the guard's table is full; another handler keeps taking SIGBUS
         del anchor
         mm.close()
         os.close(fd)
-        raise BrokerError(Code.RESOURCE_EXHAUSTED, f"{field_name}: cannot guard segment {name!r}: {exc}") from None
+        code = Code.RESOURCE_EXHAUSTED if isinstance(exc, OverflowError) else Code.FAILED_PRECONDITION
+        raise BrokerError(code, f"{field_name}: cannot guard segment {name!r}: {exc}") from None
     return MappedSegment(name, st.st_size, address, (st.st_dev, st.st_ino), fd, slot, mm, anchor)
 
 

@@ -334,3 +334,15 @@ def test_a_name_pointed_at_another_engines_file_after_the_check_is_refused_when_
             engine.release()
     assert info.value.code is Code.INVALID_ARGUMENT and "of engine 'a'" in info.value.message
     assert "b" not in registry
+
+
+def test_a_segment_the_guard_cannot_watch_is_refused_and_left_unmapped(segment, monkeypatch):
+    def full(address, length):
+        raise OverflowError("at most 16384 shared-memory mappings can be watched at once")
+
+    monkeypatch.setattr(memory._memguard, "watch", full)
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(BrokerError) as info:
+        map_shared_memory(segment.name, "components[0].layer_buffers[0].memory.shared_memory.name")
+    assert info.value.code is Code.RESOURCE_EXHAUSTED and "at most 16384" in info.value.message
+    assert len(os.listdir("/proc/self/fd")) == fds
