@@ -55,8 +55,8 @@ def backend(request) -> str:
     return request.param
 
 
-async def open_broker(name: str, backend: str, *args: str) -> Broker:
-    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args)
+async def open_broker(name: str, backend: str, *args: str, env: dict[str, str] | None = None) -> Broker:
+    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args, env=env)
     channel = grpc.aio.insecure_channel(process.listen)
     return Broker(process, channel, bpb_grpc.BrokerServiceStub(channel))
 
