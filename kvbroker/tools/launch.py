@@ -74,35 +74,35 @@ class BrokerProcess:
 
     async def _log_unasked_death(self) -> None:
         """Say so the moment the broker dies unasked, whoever holds it and however it is stopped later."""
-        code = await self.process.wait()
-        if self._stderr_task is not None:
-            await asyncio.wait([self._stderr_task], timeout=5)  # its last lines
+        code = await self._ended()
         if code != 0 and not self._asked:
             log.error("%s", self.exit_report())
 
     async def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then SIGKILL after `timeout`; the exit code. Raises ChildDied when the broker
         ended other than as asked: it died before (except by `kill`), failed its shutdown, or hung."""
-        died = self.process.returncode is not None and self._asked != "kill"
-        hung = False
         if self._asked == "kill":
-            await self.process.wait()
-        elif self.process.returncode is None:
-            self._asked = "stop"
+            return await self._ended()
+        when = ""  # it ended by itself
+        if self.process.returncode is None:
+            self._asked, when = "stop", "after SIGTERM"
             self.process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.process.wait(), timeout)
             except TimeoutError:
-                hung = True
-                self.process.kill()
-                await self.process.wait()
+                when = f"after it ignored SIGTERM for {timeout:g}s"
+                if self.process.returncode is None:
+                    self.process.kill()
+        code = await self._ended()
+        if code != 0:
+            raise ChildDied(self.exit_report(when))
+        return code
+
+    async def _ended(self) -> int:
+        """Its exit code, once it has exited and its last lines are read."""
+        code = await self.process.wait()
         if self._stderr_task is not None:
             await asyncio.wait([self._stderr_task], timeout=5)
-        code = self.process.returncode
-        if hung:
-            raise ChildDied(self.exit_report(f"after it ignored SIGTERM for {timeout:g}s"))
-        if code != 0 and self._asked != "kill":
-            raise ChildDied(self.exit_report("" if died else "after SIGTERM"))
         return code
 
     def kill(self) -> None:

@@ -93,6 +93,20 @@ async def test_a_broker_killed_by_a_signal_says_so_with_its_stderr_tail():
     assert "Fatal Python error: Segmentation fault" in message, message  # faulthandler's stacks, in the tail
 
 
+async def test_a_broker_that_ignores_sigterm_is_killed_and_says_so():
+    broker = await start_broker("stuck", "--backend", "mooncake")
+    os.kill(broker.pid, signal.SIGSTOP)  # a stopped process cannot act on SIGTERM
+    with pytest.raises(ChildDied) as died:
+        await broker.stop(timeout=1)
+    assert "exited with signal SIGKILL (-9) after it ignored SIGTERM for 1s" in str(died.value), str(died.value)
+
+
+async def test_a_broker_killed_on_purpose_stops_quietly():
+    broker = await start_broker("killed", "--backend", "mooncake")
+    broker.kill()
+    assert await broker.stop() == -signal.SIGKILL
+
+
 async def test_a_broker_that_exits_before_it_is_ready_says_how():
     with pytest.raises(ChildDied) as died:
         await start_broker("refused", "--backend", "no-such-engine")
