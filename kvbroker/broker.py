@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker.backends.base import Backend
+from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, invalid
 from kvbroker.memory import check_segments
 from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
@@ -88,7 +88,10 @@ class Broker:
         await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
-            await self._release(engine)
+            try:
+                await self._release(engine)
+            except BrokerError as exc:  # the other engines are still released
+                log.warning("engine %s: %s", engine.engine_id, exc.message)
         await self.backend.close()
 
     async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:
@@ -99,7 +102,10 @@ class Broker:
             self.registry.check(spec)
             engine = await _in_thread(self.registry.materialise, spec, undo=lambda e: e.release())
             try:
-                engine.backend_handle = await self.backend.register(engine.regions)
+                try:
+                    engine.backend_handle = await self.backend.register(engine.regions)
+                except TransferFailed as exc:
+                    raise self._engine_failed(exc) from exc
                 session = self._sessions.get(session_id)  # it may have ended while the memory was mapped
                 engine.session_id = session_id
                 self.registry.add(engine)
@@ -131,8 +137,15 @@ class Broker:
     async def _release(self, engine: Engine) -> None:
         if engine.backend_handle is not None:
             handle, engine.backend_handle = engine.backend_handle, None
-            await self.backend.deregister(handle)
+            try:
+                await self.backend.deregister(handle)
+            except TransferFailed as exc:  # the memory stays mapped: the engine may still reach it
+                raise self._engine_failed(exc) from exc
         await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
+
+    def _engine_failed(self, exc: TransferFailed) -> BrokerError:
+        """A transfer engine's failure, at any call, as the caller sees it: ABORTED, in the engine's words."""
+        return BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}")
 
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
