@@ -1,12 +1,15 @@
 """The topology and layout rules of DESIGN.md, one function per rule, each naming itself.
 
 Called by the registry (`reject_index_with_value` at registration) and by the sender before any
-byte moves (`check_transfer`, `truncate_page_lists`). Nothing here knows about gRPC or a backend.
+byte moves: `check_transfer` for the two engines, `truncate_page_lists` for a request moved as
+one list (the claimed flow), `part_pages` for one component of one part of an offered grant.
+Nothing here knows about gRPC or a backend.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,23 +27,30 @@ def reject_index_with_value(kind: Component) -> None:
         )
 
 
+# The MiniMax states and how their rules name them: upstream applies the same PP and attention-TP
+# refusals to both (mooncake/conn.py, SGLang 0.5.23).
+MINIMAX_STATES = {
+    Component.MINIMAX_INDEX_K: ("index-k", "MiniMax sparse index"),
+    Component.MINIMAX_DENSE_KV: ("dense-kv", "MiniMax dense KV"),
+}
+
+
 def check_no_pipeline_parallel(kind: Component, src: Topology, dst: Topology) -> None:
-    """Rule index-k-pp: the MiniMax sparse index moves only between engines with pp_size 1."""
-    if kind is not Component.MINIMAX_INDEX_K:
+    """Rules index-k-pp and dense-kv-pp: the MiniMax states move only between engines with pp_size 1."""
+    if kind not in MINIMAX_STATES:
         return
+    slug, label = MINIMAX_STATES[kind]
     for side, topo in (("sender", src), ("receiver", dst)):
         if topo.pp_size > 1:
-            raise precondition(
-                f"rule index-k-pp: PP>1 not supported for MiniMax sparse index "
-                f"({side} pp_size={topo.pp_size})"
-            )
+            raise precondition(f"rule {slug}-pp: PP>1 not supported for {label} ({side} pp_size={topo.pp_size})")
 
 
 def check_homogeneous_attention_tp(kind: Component, src: Topology, dst: Topology) -> None:
-    """Rule index-k-attn-tp: the MiniMax sparse index needs equal attention TP on both sides."""
-    if kind is Component.MINIMAX_INDEX_K and src.attn_tp_size != dst.attn_tp_size:
+    """Rules index-k-attn-tp and dense-kv-attn-tp: the MiniMax states need equal attention TP on both sides."""
+    if kind in MINIMAX_STATES and src.attn_tp_size != dst.attn_tp_size:
+        slug, label = MINIMAX_STATES[kind]
         raise precondition(
-            f"rule index-k-attn-tp: heterogeneous TP not supported for MiniMax sparse index "
+            f"rule {slug}-attn-tp: heterogeneous TP not supported for {label} "
             f"(sender attn_tp_size={src.attn_tp_size}, receiver attn_tp_size={dst.attn_tp_size})"
         )
 
@@ -94,3 +104,44 @@ def truncate_page_lists(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, n
     """Rule truncate: page lists of unequal length are cut to the shorter; returns the dropped count."""
     n = min(len(src), len(dst))
     return src[:n], dst[:n], max(len(src), len(dst)) - n
+
+
+@dataclass(frozen=True)
+class PartPages:
+    """Where one component's source pages of a part land: `src[i]` is written to `dst[i]`, which
+    are entries [dst_offset, dst_offset + len(dst)) of the grant's page list of that component."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    dst_offset: int
+    truncated: int  # source pages dropped (MINIMAX_INDEX_K, or past the grant's end), or destination pages left
+
+
+def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset: int) -> PartPages:
+    """The page rule of `kind` for one part that starts at entry `dst_offset` of the grant's list.
+
+    Rule part-in-grant: the part must start inside the grant's list (PERMISSION_DENIED).
+    Rule dense-kv-length: MINIMAX_DENSE_KV moves whole: the source list must be exactly as long as the
+    rest of the grant's list from dst_offset (SGLang 0.5.23 treats a mismatch as an error).
+    Rule index-k-truncate: MINIMAX_INDEX_K is cut to the shorter of the source list and the rest of
+    the grant's list (upstream's truncation), and the count is reported.
+    Rule chunk: any other component lands on the next len(src) entries; source pages past the end of
+    the grant's list are dropped and counted, as upstream drops them.
+    """
+    if dst_offset > len(granted) or (dst_offset == len(granted) and len(src)):
+        raise BrokerError(Code.PERMISSION_DENIED,
+                          f"rule part-in-grant: {kind.name} dst_offset {dst_offset} is past the end of the "
+                          f"grant's {len(granted)} pages")
+    rest = granted[dst_offset:]
+    if kind is Component.MINIMAX_DENSE_KV:
+        if len(src) != len(rest):
+            raise precondition(
+                f"rule dense-kv-length: MINIMAX_DENSE_KV page lists must be of equal length (sender "
+                f"{len(src)}, receiver {len(rest)} from dst_offset {dst_offset})"
+            )
+        return PartPages(src, rest, dst_offset, 0)
+    if kind is Component.MINIMAX_INDEX_K:
+        cut_src, cut_dst, dropped = truncate_page_lists(src, rest)
+        return PartPages(cut_src, cut_dst, dst_offset, dropped)
+    n = min(len(src), len(rest))
+    return PartPages(src[:n], rest[:n], dst_offset, len(src) - n)

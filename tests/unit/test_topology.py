@@ -97,3 +97,43 @@ def test_truncation_cuts_to_the_shorter_and_counts(n_src, n_dst):
     assert len(src) == len(dst) == min(n_src, n_dst)
     assert dropped == abs(n_src - n_dst)
     assert src.tolist() == list(range(min(n_src, n_dst)))
+
+
+DENSE = Component.MINIMAX_DENSE_KV
+
+
+def test_dense_kv_refuses_pp_above_one_and_heterogeneous_attention_tp():
+    error = refusal(topology.check_no_pipeline_parallel, DENSE, BASE, dataclasses.replace(BASE, pp_size=2))
+    assert "rule dense-kv-pp" in error.message and "MiniMax dense KV" in error.message
+    error = refusal(topology.check_homogeneous_attention_tp, DENSE, BASE, dataclasses.replace(BASE, attn_tp_size=2))
+    assert "rule dense-kv-attn-tp" in error.message and error.code is Code.FAILED_PRECONDITION
+
+
+def test_dense_kv_part_needs_equal_lengths():
+    granted = np.arange(10, 16)
+    error = refusal(topology.part_pages, DENSE, np.arange(5), granted, 0)
+    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
+    assert "sender 5, receiver 6" in error.message
+    whole = topology.part_pages(DENSE, np.arange(6), granted, 0)
+    assert whole.dst.tolist() == granted.tolist() and whole.truncated == 0
+
+
+@pytest.mark.parametrize("n_src, offset, n_dst, dropped", [(5, 1, 3, 2), (2, 1, 2, 1), (3, 0, 3, 1)])
+def test_index_k_part_is_truncated_to_the_shorter(n_src, offset, n_dst, dropped):
+    part = topology.part_pages(INDEX, np.arange(n_src), np.arange(20, 24), offset)
+    assert len(part.src) == len(part.dst) == n_dst and part.truncated == dropped
+    assert part.dst.tolist() == list(range(20 + offset, 20 + offset + n_dst))
+
+
+def test_main_kv_part_lands_on_the_next_entries_and_drops_what_runs_past_the_end():
+    granted = np.array([7, 3, 9, 1, 5])
+    part = topology.part_pages(MAIN, np.array([40, 41]), granted, 1)
+    assert part.dst.tolist() == [3, 9] and part.truncated == 0 and part.dst_offset == 1
+    tail = topology.part_pages(MAIN, np.array([40, 41, 42]), granted, 3)
+    assert tail.src.tolist() == [40, 41] and tail.dst.tolist() == [1, 5] and tail.truncated == 1
+
+
+def test_a_part_past_the_end_of_the_grant_is_refused():
+    error = refusal(topology.part_pages, MAIN, np.arange(2), np.arange(4), 4)
+    assert error.code is Code.PERMISSION_DENIED and "rule part-in-grant" in error.message
+    assert topology.part_pages(MAIN, np.arange(0), np.arange(4), 4).dst.size == 0

@@ -1,0 +1,216 @@
+"""Parts of an offered grant: which entries of the grant's page lists each part writes. Pure.
+
+An offered grant holds one destination page list per component; parts (the chunks of a chunked
+prefill) fill it. Both brokers keep a `Coverage` of the entries written so far, so that no two
+parts of one component overlap:
+
+    plan_part(...)   the sender, before it writes: where the part's pages land, its descriptors
+                     (the rules of topology.part_pages per component), refusing a part that lies
+                     outside the grant, overlaps an earlier one, or is a last part that leaves
+                     MINIMAX_DENSE_KV unsent
+    Landing.land()   the receiver, when the sender says a part landed: the same bounds, checked
+                     again against the receiver's own grant, and whether the grant is complete
+
+Counts on the receiver come from its grant, never from the sender's figures: pages are entries
+of its own lists, bytes those entries times its own item_len.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbroker import topology
+from kvbroker.errors import BrokerError, Code, precondition
+from kvbroker.model import Component, EngineLayout
+from kvbroker.planner import Descriptors, build_descriptors, plan_runs
+
+
+class Coverage:
+    """Which entries of each of a grant's page lists have been written (or are being written)."""
+
+    def __init__(self, lengths: Mapping[Component, int]) -> None:
+        self._lengths = dict(lengths)
+        self._marks: dict[Component, np.ndarray] = {}  # allocated on first use
+
+    def length(self, kind: Component) -> int:
+        return self._lengths[kind]
+
+    def first_overlap(self, kind: Component, start: int, count: int) -> int | None:
+        """The first entry of [start, start + count) already covered, or None."""
+        marks = self._marks.get(kind)
+        if marks is None or count == 0:
+            return None
+        hit = np.flatnonzero(marks[start:start + count])
+        return start + int(hit[0]) if hit.size else None
+
+    def mark(self, kind: Component, start: int, count: int) -> None:
+        if count == 0:
+            return
+        marks = self._marks.get(kind)
+        if marks is None:
+            marks = self._marks[kind] = np.zeros(self._lengths[kind], dtype=bool)
+        marks[start:start + count] = True
+
+    def covered(self, kind: Component) -> int:
+        marks = self._marks.get(kind)
+        return 0 if marks is None else int(np.count_nonzero(marks))
+
+
+@dataclass(frozen=True)
+class PartPages:
+    """One component's pages of a part as the sender's caller gave them."""
+
+    kind: Component
+    src_page_ids: np.ndarray
+    dst_offset: int
+
+
+@dataclass(frozen=True)
+class Landed:
+    """Entries [dst_offset, dst_offset + pages) of the grant's list of `kind` were written."""
+
+    kind: Component
+    dst_offset: int
+    pages: int
+
+
+@dataclass(frozen=True)
+class PartPlan:
+    landed: tuple[Landed, ...]
+    descriptors: Descriptors
+    pages: int  # entries written, summed over the part's components
+    runs: int  # runs, summed over the part's components
+    truncated: int  # source pages dropped (or destination pages left) by the page rules
+
+
+def _overlap_refusal(kind: Component, entry: int, granted: np.ndarray) -> BrokerError:
+    return precondition(f"pages: {kind.name} entry {entry} of the grant (page {int(granted[entry])}) was written "
+                        f"by an earlier part; parts may not overlap")
+
+
+def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, np.ndarray],
+              coverage: Coverage, pages: Iterable[PartPages], *, last: bool) -> PartPlan:
+    """Where each component of a part lands and the descriptors that write it. Raises, writing
+    nothing, for a part outside the grant, overlapping an earlier part, breaking a component's
+    page rule, or naming a destination page the receiver's engine does not have. `coverage` is
+    left unchanged: the caller marks `landed` once it commits to the part."""
+    landed, src_rows, dst_rows = [], [], []
+    total_pages = total_runs = truncated = 0
+    kinds_seen = set()
+    for entry in pages:
+        kind = entry.kind
+        if kind in kinds_seen:
+            raise BrokerError(Code.INVALID_ARGUMENT, f"pages: {kind.name} is listed twice in one part")
+        if kind not in granted:
+            raise BrokerError(Code.PERMISSION_DENIED, f"pages: {kind.name} is not in the grant")
+        kinds_seen.add(kind)
+        rule = topology.part_pages(kind, entry.src_page_ids, granted[kind], entry.dst_offset)
+        hit = coverage.first_overlap(kind, rule.dst_offset, len(rule.dst))
+        if hit is not None:
+            raise _overlap_refusal(kind, hit, granted[kind])
+        remote_pages = dst.components[kind].num_pages
+        if rule.dst.size and int(rule.dst.max()) >= remote_pages:
+            bad = int(np.flatnonzero(rule.dst >= remote_pages)[0])
+            raise BrokerError(Code.ABORTED, f"receiver's grant names {kind.name} page {int(rule.dst[bad])}, beyond "
+                                            f"its engine's {remote_pages} pages; the receiver is inconsistent")
+        runs = plan_runs(rule.src, rule.dst)
+        described = build_descriptors(runs, src.components[kind].buffers, dst.components[kind].buffers)
+        src_rows.append(described.src)
+        dst_rows.append(described.dst)
+        kinds = (described.src_memory_kind, described.dst_memory_kind)
+        landed.append(Landed(kind, rule.dst_offset, len(rule.dst)))
+        total_pages += len(rule.dst)
+        total_runs += runs.count
+        truncated += rule.truncated
+    if not landed:
+        raise BrokerError(Code.INVALID_ARGUMENT, "pages: a part needs at least one component")
+    if last:
+        _check_state_sent(granted, coverage, landed)
+    descriptors = Descriptors(np.concatenate(src_rows), np.concatenate(dst_rows), *kinds)
+    return PartPlan(tuple(landed), descriptors, total_pages, total_runs, truncated)
+
+
+def _check_state_sent(granted: Mapping[Component, np.ndarray], coverage: Coverage,
+                      landed: list[Landed]) -> None:
+    """Rule dense-kv-length, at the last part: MINIMAX_DENSE_KV moves whole, so the grant cannot
+    complete with some of its dense pages never sent."""
+    kind = Component.MINIMAX_DENSE_KV
+    if kind not in granted:
+        return
+    sent = coverage.covered(kind) + sum(x.pages for x in landed if x.kind is kind)
+    if sent != len(granted[kind]):
+        raise precondition(f"rule dense-kv-length: the last part leaves MINIMAX_DENSE_KV with {sent} of its "
+                           f"{len(granted[kind])} granted pages sent; it moves whole")
+
+
+@dataclass
+class Landing:
+    """The receiver's account of an offered grant's parts, from the sender's notices."""
+
+    granted: Mapping[Component, np.ndarray]
+    max_parts: int
+    coverage: Coverage = field(init=False)
+    parts: set[int] = field(default_factory=set)
+    total: int | None = None  # known once the last part's notice arrived
+    pages: int = 0
+
+    def __post_init__(self) -> None:
+        self.coverage = Coverage({k: len(v) for k, v in self.granted.items()})
+
+    @property
+    def complete(self) -> bool:
+        return self.total is not None and len(self.parts) == self.total
+
+    def check(self, part: int, total: int, landed: Iterable[Landed]) -> None:
+        """Refuse a notice that cannot be true of this grant; nothing changes."""
+        if part >= self.max_parts:
+            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"part: {part} is beyond the limit of {self.max_parts} "
+                                                       "parts per request")
+        if part in self.parts:
+            raise precondition(f"part: part {part} was reported already")
+        if total:
+            if self.total is not None and total != self.total:
+                raise precondition(f"parts_total: {total}, but an earlier notice said {self.total}")
+            if part != total - 1 or total > self.max_parts or any(p >= total for p in self.parts):
+                raise precondition(f"parts_total: {total} does not fit part {part} and the parts reported "
+                                   f"({len(self.parts)})")
+        elif self.total is not None and part >= self.total:
+            raise precondition(f"part: {part}, but the request has {self.total} parts")
+        seen: dict[Component, list[tuple[int, int]]] = {}
+        for x in landed:
+            granted = self.granted.get(x.kind)
+            if granted is None:
+                raise BrokerError(Code.PERMISSION_DENIED, f"landed: {x.kind.name} is not in the grant")
+            if x.dst_offset + x.pages > len(granted):
+                raise BrokerError(Code.PERMISSION_DENIED,
+                                  f"landed: {x.kind.name} entries [{x.dst_offset}, {x.dst_offset + x.pages}) run past "
+                                  f"the grant's {len(granted)} pages")
+            hit = self.coverage.first_overlap(x.kind, x.dst_offset, x.pages)
+            if hit is not None:
+                raise _overlap_refusal(x.kind, hit, granted)
+            for start, count in seen.get(x.kind, ()):
+                if x.dst_offset < start + count and start < x.dst_offset + x.pages:
+                    raise precondition(f"landed: {x.kind.name} is reported twice in one part, overlapping")
+            seen.setdefault(x.kind, []).append((x.dst_offset, x.pages))
+
+    def land(self, part: int, total: int, landed: Iterable[Landed]) -> int:
+        """Record a checked part; returns the entries it wrote."""
+        landed = list(landed)
+        self.check(part, total, landed)
+        for x in landed:
+            self.coverage.mark(x.kind, x.dst_offset, x.pages)
+        self.parts.add(part)
+        if total:
+            self.total = total
+        written = sum(x.pages for x in landed)
+        self.pages += written
+        return written
+
+
+def landed_bytes(layout: EngineLayout, landed: Iterable[Landed]) -> int:
+    """Bytes the landed entries cover in `layout`'s engine: entries times the item_len of every
+    layer buffer of their component."""
+    return sum(x.pages * sum(b.item_len for b in layout.components[x.kind].buffers) for x in landed)

@@ -1,0 +1,90 @@
+"""The OfferBook: offers found by request id and engine, waited for with a bound, ended once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvbroker.errors import BrokerError, Code
+from kvbroker.model import Component
+from kvbroker.offers import Offer, OfferBook
+
+MAIN = Component.MAIN_KV
+
+
+def offer(request_id="r1", sender_engine_id="", expires_in=30.0) -> Offer:
+    now = asyncio.get_running_loop().time()
+    return Offer("127.0.0.1:1", "decode-0", 7, "decode/e", request_id, sender_engine_id, {MAIN: np.arange(4)},
+                 "t" * 32, 1, now + expires_in)
+
+
+async def test_an_offer_naming_no_engine_becomes_the_first_takers():
+    book = OfferBook(8)
+    book.add(offer())
+    taken = await book.take("r1", "prefill/e0", timeout=0)
+    assert taken.sender_engine_id == "prefill/e0"
+    assert book.find("r1", "prefill/e1") is None and book.find("r1", "prefill/e0") is taken
+
+
+async def test_a_named_offer_is_only_for_its_engine():
+    book = OfferBook(8)
+    book.add(offer(sender_engine_id="prefill/e0"))
+    with pytest.raises(BrokerError) as info:
+        await book.take("r1", "prefill/e1", timeout=0)
+    assert info.value.code is Code.NOT_FOUND
+
+
+async def test_take_waits_for_an_offer_that_arrives_later():
+    book = OfferBook(8)
+    waiting = asyncio.create_task(book.take("r1", "prefill/e0", timeout=30))
+    await asyncio.sleep(0)  # the taker is parked on its waiter
+    assert not waiting.done()
+    book.add(offer())
+    assert (await asyncio.wait_for(waiting, 5)).request_id == "r1"
+
+
+async def test_an_offer_after_the_taker_gave_up_is_refused_once():
+    book = OfferBook(8)
+    with pytest.raises(BrokerError) as info:
+        await book.take("r1", "prefill/e0", timeout=0.01)
+    assert info.value.code is Code.NOT_FOUND and "offer_wait_s" in info.value.message
+    with pytest.raises(BrokerError) as late:
+        book.add(offer())
+    assert late.value.code is Code.FAILED_PRECONDITION and "gave up" in late.value.message
+    book.add(offer())  # the note is spent: a retry of the request is offered normally
+
+
+async def test_bounds_and_duplicates():
+    book = OfferBook(1)
+    book.add(offer("r1"))
+    with pytest.raises(BrokerError) as dup:
+        book.add(offer("r1"))
+    assert dup.value.code is Code.ALREADY_EXISTS
+    with pytest.raises(BrokerError) as full:
+        book.add(offer("r2"))
+    assert full.value.code is Code.RESOURCE_EXHAUSTED and "max_offers" in full.value.message
+
+
+async def test_expiry_ends_the_offer_and_tells_the_owner():
+    expired = asyncio.Event()
+    book = OfferBook(8, on_expired=lambda o: expired.set())
+    held = offer(expires_in=0.01)
+    book.add(held)
+    await asyncio.wait_for(expired.wait(), 5)
+    assert held.ended is not None and held.ended.code is Code.DEADLINE_EXCEEDED and len(book) == 0
+    with pytest.raises(BrokerError):
+        held.begin_part(last=False)
+
+
+async def test_parts_are_numbered_and_nothing_follows_the_last():
+    held = offer()
+    assert held.begin_part(last=False) == 0 and held.begin_part(last=True) == 1
+    with pytest.raises(BrokerError) as info:
+        held.begin_part(last=False)
+    assert "last part (part 1)" in info.value.message
+    assert not held.quiet.is_set()
+    held.end_part()
+    held.end_part()
+    assert held.quiet.is_set() and held.done
