@@ -2,9 +2,22 @@
 
     client = await BrokerClient.connect("unix:/run/kvbroker/kvbroker.sock")   # or "127.0.0.1:50051"
     await client.register_engine(engine_id, topology, components)              # both sides, once
+
+The decode-initiated (offered) flow, as a PD server runs it:
+
+    await client.expect_transfer(engine_id, request_id, pages={Component.MAIN_KV: dst_kv, ...},
+                                 sender_address=prefill_peer_address)          # decode: grant, offered to prefill
+    await client.transfer_part(engine_id, request_id, {Component.MAIN_KV: src_chunk},
+                               dst_offsets={Component.MAIN_KV: start}, last=False)   # prefill: one per chunk
+    await client.transfer_part(engine_id, request_id, {...}, dst_offsets={...}, aux=aux_bytes)  # the last part
+    status = await client.wait(engine_id, request_id)                          # decode: status.aux on SUCCEEDED
+
+The claimed flow, where the sender names the receiver:
+
     await client.expect_transfer(engine_id, request_id, dst_page_ids)          # decode side: the grant
     await client.transfer(engine_id, request_id, peer_address, remote_engine_id, src_page_ids)  # prefill side
     await client.wait(engine_id, request_id)                                   # either side; or watch()
+
     await client.cancel(...), await client.info(), await client.unregister_engine(...), await client.close()
 
 Every call has a deadline: `timeout` (unary calls) or `transfer_timeout` (transfer, watch, wait)
@@ -35,7 +48,7 @@ import asyncio
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -229,19 +242,59 @@ class BrokerClient:
             raise
         return reply.failed_requests
 
-    async def expect_transfer(self, engine_id: str, request_id: str, dst_page_ids: PageIds, *,
+    async def expect_transfer(self, engine_id: str, request_id: str, dst_page_ids: PageIds = (), *,
                               components: Iterable[ComponentLike] = (Component.MAIN_KV,),
-                              expiry_s: float | None = None, timeout: float | None = None) -> TransferStatus:
+                              pages: Mapping[ComponentLike, PageIds] | None = None, sender_address: str = "",
+                              sender_engine_id: str = "", expiry_s: float | None = None,
+                              timeout: float | None = None) -> TransferStatus:
         """Receiver side: grant a peer the right to write these pages of these components until expiry.
 
+        Either `dst_page_ids` (one list for every one of `components`) or `pages` (a list per
+        component). With `sender_address` (the prefill broker's peer address, its `info().peer_address`)
+        the grant is offered to that broker before this returns, and only it may write the grant
+        (only its engine `sender_engine_id`, when given); the sender then calls `transfer_part`.
         `expiry_s` None takes the broker's default grant lifetime.
         """
         request = bpb.ExpectTransferRequest(
-            request_id=request_id, engine_id=engine_id, components=_components(components),
-            dst_page_ids=_page_ids(dst_page_ids, "dst_page_ids"),
-            expiry_ms=0 if expiry_s is None else max(1, round(expiry_s * 1000)),
+            request_id=request_id, engine_id=engine_id, sender_address=sender_address,
+            sender_engine_id=sender_engine_id, expiry_ms=0 if expiry_s is None else max(1, round(expiry_s * 1000)),
         )
+        if pages is not None:
+            if len(dst_page_ids):
+                raise InvalidArgument("dst_page_ids: give either dst_page_ids or pages, not both")
+            request.pages.extend(pb.ComponentPages(component=int(Component.of(c)),
+                                                   page_ids=_page_ids(ids, f"pages[{Component.of(c).name}]"))
+                                 for c, ids in pages.items())
+        else:
+            request.components.extend(_components(components))
+            request.dst_page_ids.extend(_page_ids(dst_page_ids, "dst_page_ids"))
         reply = await self._unary("ExpectTransfer", request, self._deadline(timeout, self.timeout))
+        return TransferStatus.from_proto(reply.status)
+
+    async def transfer_part(self, engine_id: str, request_id: str, pages: Mapping[ComponentLike, PageIds], *,
+                            dst_offsets: Mapping[ComponentLike, int] | None = None, last: bool = True,
+                            aux: bytes = b"", timeout: float | None = None) -> TransferStatus:
+        """Sender side of the offered flow: write one part of a grant the receiver offered to this
+        broker; returns once the receiver was told (after the last part: the request's final state).
+
+        `pages` maps each component to its source page ids; they land on the grant's list of that
+        component from entry `dst_offsets[component]` (0 when not given). `last=False` for every
+        chunk that more follow; the last part may carry `aux` bytes for the receiver. If the offer
+        has not reached this broker yet, the broker waits for it (bounded by its offer_wait_s).
+        """
+        offsets = {Component.of(c): int(o) for c, o in (dst_offsets or {}).items()}
+        chosen = {Component.of(c) for c in pages}
+        if stray := sorted(c.name for c in set(offsets) - chosen):
+            raise InvalidArgument(f"dst_offsets: {', '.join(stray)} not in pages")
+        request = bpb.TransferRequest(
+            request_id=request_id, engine_id=engine_id, more_parts=not last, aux=bytes(aux),
+            pages=[bpb.PartPages(component=int(Component.of(c)),
+                                 src_page_ids=_page_ids(ids, f"pages[{Component.of(c).name}]"),
+                                 dst_offset=offsets.get(Component.of(c), 0))
+                   for c, ids in pages.items()],
+        )
+        reply = await self._unary("Transfer", request, self._deadline(timeout, self.transfer_timeout),
+                                  retry_unavailable=False)
         return TransferStatus.from_proto(reply.status)
 
     async def transfer(self, engine_id: str, request_id: str, peer_address: str, remote_engine_id: str,

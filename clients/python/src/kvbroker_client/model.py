@@ -248,6 +248,8 @@ class BrokerInfo:
     peers: tuple[PeerInfo, ...]
     request_counts: Mapping[str, int] = field(default_factory=dict)
     sessions: tuple[SessionInfo, ...] = ()
+    peers_authenticated: bool = False  # False: peers' broker ids are their own claims (no mutual TLS)
+    peer_allow: tuple[str, ...] = ()  # identity patterns of the peers this broker admits
 
     @property
     def engine_ids(self) -> tuple[str, ...]:
@@ -260,7 +262,8 @@ class BrokerInfo:
                    tuple(PeerInfo(p.address, p.broker_id, p.epoch, p.handshakes) for p in m.peers),
                    dict(m.request_counts),
                    tuple(SessionInfo(x.session_id, x.holder, tuple(x.engine_ids), x.opened_unix_ms)
-                         for x in m.sessions))
+                         for x in m.sessions),
+                   m.peers_authenticated, tuple(m.peer_allow))
 
 
 @dataclass(frozen=True)
@@ -279,9 +282,11 @@ class TransferStatus:
     truncated_pages: int  # dropped because the page lists differed in length
     duration_us: int
     components: tuple[Component, ...]
+    aux: bytes = b""  # receiver, SUCCEEDED only: the aux payload of the sender's last part
+    parts: int = 0  # parts landed so far (the offered flow)
 
     @classmethod
     def from_proto(cls, m: bpb.TransferStatus) -> TransferStatus:
         return cls(m.request_id, m.engine_id, TransferRole(m.role), TransferState(m.state), status_code(m.code),
                    m.reason, m.pages, m.runs, m.bytes, m.truncated_pages, m.duration_us,
-                   tuple(Component(c) for c in m.components))
+                   tuple(Component(c) for c in m.components), m.aux, m.parts)
