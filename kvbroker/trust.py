@@ -1,0 +1,48 @@
+"""Who a peer is, and whether it may talk to this broker. Called by the peer servicer on every call.
+
+Under mutual TLS a peer is its certificate: the `broker_id` it sends must be one of the
+certificate's subject alternative names, or the call is refused (PERMISSION_DENIED), so no
+certificate of the CA can speak for another broker. Without mutual TLS a peer's `broker_id` is
+its own claim: the broker says so at startup and in GetBrokerInfo (`peers_authenticated`).
+
+`peer_allow` lists the identities (shell-style patterns, e.g. `prefill-*`) that may handshake,
+offer, claim, complete or notify; "*" admits any. A peer that is not admitted learns nothing: its
+Handshake gets the very answer an unknown engine gets.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvbroker.errors import BrokerError, Code
+
+SAN_PROPERTY = "x509_subject_alternative_name"
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    name: str  # the broker id the broker acts on
+    authenticated: bool  # True: a certificate the CA signed names it
+
+
+class PeerGate:
+    def __init__(self, allow: Sequence[str], *, authenticated: bool) -> None:
+        self.allow = tuple(allow) or ("*",)
+        self.authenticated = authenticated
+
+    def identify(self, broker_id: str, auth_context: Mapping[str, Sequence[bytes]] | None) -> PeerIdentity:
+        """The caller's identity; under mutual TLS its broker_id must be a name of its certificate."""
+        if not self.authenticated:
+            return PeerIdentity(broker_id, False)
+        names = sorted({n.decode(errors="replace") for n in (auth_context or {}).get(SAN_PROPERTY, ())})
+        if broker_id not in names:
+            shown = ", ".join(names[:8]) or "none"
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"broker_id: {broker_id[:128]!r} is not a name of the peer's certificate (its subject "
+                              f"alternative names: {shown})")
+        return PeerIdentity(broker_id, True)
+
+    def admits(self, identity: PeerIdentity) -> bool:
+        return any(fnmatch.fnmatchcase(identity.name, pattern) for pattern in self.allow)
