@@ -4,13 +4,16 @@ It owns the registry, the transfer table, the sessions and the backend, and hand
 - lifecycle (server.py): `start`, `drain`, `close`;
 - engines (BrokerService): `register_engine`, `unregister_engine`; sessions (sessions.py):
   `open_session`, `end_session`, `sessions`;
-- receiver side: `expect_transfer` (BrokerService); `handshake_view`, `claim`, `complete`
+- receiver side, run by the Receiver (receiver.py): `expect_transfer` (BrokerService), which may
+  offer the grant to its sender; `handshake_view`, `claim`, `complete`, `take_notices`
   (PeerService, peer_service.py);
-- sender side: `transfer` (BrokerService), run by the Sender (sender.py), which reaches peers
-  through the PeerLink the Broker is built with;
+- sender side: `transfer` (BrokerService), the claimed flow, run by the Sender (sender.py);
+  `send_part` (BrokerService) and `receive_offer`, `revoke_offer` (PeerService), the offered
+  flow, run by the PartSender (part_sender.py). Both reach peers through the PeerLink the Broker
+  is built with;
 - both sides: `watch`, `cancel`.
-New sessions, engines, grants, handshakes, claims and transfers are refused UNAVAILABLE once the
-drain has begun.
+New sessions, engines, grants, handshakes, offers, claims and transfers are refused UNAVAILABLE
+once the drain has begun.
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.memory import check_segments
+from kvbroker.errors import BrokerError, Code
 from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
-from kvbroker.peer_link import PeerLink
+from kvbroker.offers import Offer
+from kvbroker.part_sender import PartCommand, PartSender
+from kvbroker.peer_link import GrantOffer, PartAck, PartNotice, PeerLink
+from kvbroker.receiver import GrantCommand, Receiver
 from kvbroker.registry import Engine, Registry
 from kvbroker.sender import Sender, TransferCommand
 from kvbroker.sessions import Session, Sessions
 from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
-from kvbroker.validation import check_components, check_identifier, check_page_ids, registered_pages
+from kvbroker.trust import PeerIdentity
 
 if TYPE_CHECKING:
     from kvbroker.metrics import Metrics
@@ -47,18 +52,25 @@ class Limits:
     max_grant_expiry_s: float
     transfer_timeout_s: float
     peer_rpc_timeout_s: float
+    offer_wait_s: float = 10.0
+    max_offers: int = 65536
+    max_aux_bytes: int = 65536
+    max_parts_per_request: int = 4096
 
 
 class Broker:
     def __init__(self, broker_id: str, epoch: int, backend: Backend, limits: Limits, peers: PeerLink,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, peer_address: str = "") -> None:
         self.broker_id = broker_id
         self.epoch = epoch  # this process's: new_epoch() in server.py, also handed to the peer clients
+        self.peer_address = peer_address  # where peers reach this broker, named in the offers it makes
         self.backend = backend
         self.limits = limits
         self.registry = Registry(limits.max_pages_per_request, observer=metrics)
-        self.table = TransferTable(observer=metrics)  # it also logs each request's end
+        self.table = TransferTable(observer=metrics, on_end=self._ended)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
+        self.parts = PartSender(self.registry, self.table, backend, peers, limits)
+        self.receiver = Receiver(self.registry, self.table, peers, limits, peer_address)
         self.accepting = True
         self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
         self._register_lock = asyncio.Lock()
@@ -78,14 +90,18 @@ class Broker:
         if busy:
             log.info("draining %d in-flight requests (grace %.1fs)", len(busy), grace_s)
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in busy], timeout=grace_s)
-        for record in self.table.live():
+        ended = self.table.live()
+        for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
+        await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s)
         self.stopping.set()
 
     async def close(self) -> None:
         self.accepting = False
         self.stopping.set()
         await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self.parts.close()
+        await self.receiver.close()
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
             try:
@@ -119,14 +135,18 @@ class Broker:
         return engine
 
     async def unregister_engine(self, engine_id: str, wait_s: float) -> int:
+        """Fail the engine's requests and release it, once no write into or out of its memory runs
+        (a claimed transfer is let finish, an offered one is stopped; each wait bounded by `wait_s`)."""
         engine = self.registry.get(engine_id)
         live = self.table.live(engine_id)
-        writing = [r for r in live if r.state is TransferState.TRANSFERRING]
+        writing = [r for r in live if r.state is TransferState.TRANSFERRING and r.offer is None and r.offered is None]
         if writing:  # never release memory a transfer engine is reading or writing
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in writing], timeout=wait_s)
         failed = 0
-        for record in self.table.live(engine_id):
-            failed += await self._abort(record, Code.ABORTED, f"engine {engine_id!r} was unregistered")
+        ended = self.table.live(engine_id)
+        for record in ended:
+            failed += await self._abort(record, Code.ABORTED, f"engine {engine_id!r} was unregistered", wait_s)
+        await self.receiver.revoked(ended, timeout=wait_s)  # its senders have stopped writing into it
         if engine_id in self.registry:
             self.registry.remove(engine_id)
             if (session := self._sessions.find(engine.session_id)) is not None:
@@ -159,72 +179,68 @@ class Broker:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
-    async def expect_transfer(self, engine_id: str, request_id: str, components: Sequence[Component],
-                              dst_page_ids: np.ndarray, expiry_ms: int) -> TransferStatus:
+    async def expect_transfer(self, cmd: GrantCommand) -> TransferStatus:
+        """A grant; with a sender address, offered to that broker before this returns."""
         self._check_accepting()
-        check_identifier(request_id, "request_id")
-        engine = self.registry.get(engine_id)
-        check_segments(engine.held, engine_id)
-        kinds = check_components(components, "components")
-        num_pages = registered_pages(engine.layout, kinds)
-        check_page_ids(dst_page_ids, "dst_page_ids", num_pages, self.limits.max_pages_per_request, unique=True)
-        expiry_s = expiry_ms / 1000 if expiry_ms else self.limits.default_grant_expiry_s
-        if expiry_s > self.limits.max_grant_expiry_s:
-            raise invalid(f"expiry_ms: {expiry_ms} exceeds the limit of {self.limits.max_grant_expiry_s * 1000:.0f}")
-        record = self.table.add_grant(engine_id, request_id, kinds, dst_page_ids, expiry_s)
-        return record.snapshot()
+        return await self.receiver.expect(cmd)
 
     def handshake_view(self, engine_id: str) -> Engine:
         self._check_accepting()
         return self.registry.get(engine_id)
 
-    def claim(self, engine_id: str, request_id: str, components: Sequence[Component],
-              dst_page_ids: np.ndarray, claimant: str) -> tuple[Grant, int]:
+    def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: Sequence[Component],
+              dst_page_ids: np.ndarray) -> tuple[Grant, int]:
         self._check_accepting()
-        engine = self.registry.get(engine_id)
-        check_segments(engine.held, engine_id)
-        grant = self.table.claim(engine_id, request_id, tuple(components), dst_page_ids, claimant)
-        return grant, engine.generation
+        return self.receiver.claim(identity, engine_id, request_id, tuple(components), dst_page_ids)
 
-    def complete(self, engine_id: str, request_id: str, claim_token: str, claimant: str, *, succeeded: bool,
-                 code: int, reason: str, pages: int, runs: int, nbytes: int, truncated: int) -> TransferState:
-        record = self.table.get(engine_id, request_id)
-        if record.role is not TransferRole.RECEIVER:
-            raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
-        if record.state.terminal:
-            return record.state
-        claimed = bool(claim_token) and claim_token == record.claim_token  # an empty token proves no claim
-        if not claimed and (succeeded or record.state is not TransferState.PENDING):
-            raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
-        if succeeded:
-            if (engine := self.registry.find(engine_id)) is not None:
-                try:  # the write may have crossed a segment shrunk meanwhile: its bytes are not there
-                    check_segments(engine.held, engine_id)
-                except BrokerError as exc:
-                    self.table.fail(record, exc.code, exc.message)
-                    raise
-            self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)
-        else:
-            self.table.fail(record, code or Code.ABORTED, f"sender {claimant!r} failed: {reason}")
-        return record.state
+    def complete(self, identity: PeerIdentity, engine_id: str, request_id: str, claim_token: str, *,
+                 succeeded: bool, code: int, reason: str, pages: int, runs: int, truncated: int) -> TransferState:
+        return self.receiver.complete(identity, engine_id, request_id, claim_token, succeeded=succeeded, code=code,
+                                      reason=reason, pages=pages, runs=runs, truncated=truncated)
+
+    def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
+        return self.receiver.take_notices(identity, notices)
+
+    def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
+        self._check_accepting()
+        self.parts.receive_offer(identity, offer, epoch)
+
+    async def revoke_offer(self, identity: PeerIdentity, engine_id: str, request_id: str, token: str, code: int,
+                           reason: str, wait_s: float) -> bool:
+        return await self.parts.revoke(identity, engine_id, request_id, token, code, reason, wait_s)
 
     async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
-        """Run one Transfer through the sender pipeline (sender.py); its terminal status."""
+        """Run one Transfer of the claimed flow through the sender pipeline (sender.py)."""
         self._check_accepting()
         return await self.sender.transfer(cmd, timeout)
+
+    async def send_part(self, cmd: PartCommand, timeout: float | None) -> TransferStatus:
+        """Run one part of the offered flow through its sender pipeline (part_sender.py)."""
+        self._check_accepting()
+        return await self.parts.send_part(cmd, timeout)
 
     def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
         self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
         return self.table.watch(engine_id, request_id)
 
     async def cancel(self, engine_id: str, request_id: str, reason: str) -> TransferStatus:
+        """Fail a request; returns once its peer has stopped writing into or reading out of it (an
+        offered request, bounded by peer_rpc_timeout_s) or its task has ended (a claimed one)."""
         record = self.table.get(engine_id, request_id)
         await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
+        await self.receiver.revoked([record], timeout=self.limits.peer_rpc_timeout_s)
         return record.snapshot()
 
-    async def _abort(self, record: TransferRecord, code: Code, reason: str) -> int:
+    def _ended(self, record: TransferRecord) -> None:
+        if record.role is TransferRole.RECEIVER:
+            self.receiver.ended(record)
+
+    async def _abort(self, record: TransferRecord, code: Code, reason: str, wait_s: float | None = None) -> int:
         if record.state.terminal:
             return 0
+        if isinstance(record.offer, Offer):
+            wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s
+            return await self.parts.abort(record, code, reason, wait)
         task = record.task
         if task is not None and not task.done():
             record.code, record.reason = int(code), reason  # the sender fails the record with these

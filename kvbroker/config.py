@@ -35,12 +35,19 @@ class Settings(BaseSettings):
                                             "peers' servers are verified against it")
     peer_tls_server_name: str = Field("", description="name to verify in peers' certificates instead of the "
                                                      "host dialed (when dialing by IP)")
+    peer_allow: str = Field("*", description="comma-separated identity patterns (shell-style, e.g. prefill-*) of the "
+                                             "peers that may handshake, offer, claim or write; * admits any")
     peer_rpc_timeout_s: float = Field(5.0, gt=0, description="timeout of one broker-to-broker call, seconds")
     peer_idle_s: float = Field(600.0, gt=0, description="a peer address unused for this long is forgotten: its "
                                                         "handshakes, transfer-engine connection and channel, seconds")
     transfer_timeout_s: float = Field(60.0, gt=0, description="upper bound of one Transfer, seconds")
     default_grant_expiry_s: float = Field(30.0, gt=0, description="grant lifetime when expiry_ms is 0, seconds")
     max_grant_expiry_s: float = Field(600.0, gt=0, description="longest grant a receiver may ask for, seconds")
+    offer_wait_s: float = Field(10.0, gt=0, description="how long a Transfer of the offered flow waits for the "
+                                                        "receiver's offer to arrive, seconds")
+    max_offers: int = Field(65536, gt=0, description="offers from receivers this broker holds at once")
+    max_aux_bytes: int = Field(65536, ge=0, description="largest aux payload of a last part, bytes")
+    max_parts_per_request: int = Field(4096, gt=0, description="parts (chunks) one offered request may have")
     unregister_wait_s: float = Field(10.0, ge=0, description="how long UnregisterEngine waits for writes, seconds")
     shutdown_grace_s: float = Field(20.0, ge=0, description="time in-flight transfers get on SIGTERM, seconds")
     max_pages_per_request: int = Field(1 << 20, gt=0, description="page ids per request and pages per buffer")
@@ -48,6 +55,11 @@ class Settings(BaseSettings):
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["auto", "text", "json"] = Field(
         "auto", description="json (one object per line) or text; auto: text when stderr is a terminal, else json")
+
+    @property
+    def peer_allow_patterns(self) -> tuple[str, ...]:
+        """peer_allow as its patterns; empty entries dropped."""
+        return tuple(p.strip() for p in self.peer_allow.split(",") if p.strip()) or ("*",)
 
     @property
     def advertised_host(self) -> str:

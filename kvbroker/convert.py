@@ -5,7 +5,10 @@ and the peer clients.
   `enum_in` (by number: the domain's enums equal the proto's, tests/unit/test_enums.py), and
   `engine_layout_in` (a peer's Handshake answer, peer_clients.py);
 - out of it: `status_out`, `component_spec_out`, `topology_out`, `memory_ownership_out`
-  (service.py), `engine_layout_out` (Handshake, peer_service.py).
+  (service.py), `engine_layout_out` (Handshake, peer_service.py);
+- the offered flow, both ways: `grant_pages_in`/`_out` and `part_pages_in` (ExpectTransfer,
+  Transfer), `grant_offer_in`/`_out` (OfferGrant), `part_notice_in`/`_out` and `part_ack_in`/`_out`
+  (NotifyParts).
 Unknown enum values and missing fields become INVALID_ARGUMENT naming the field.
 """
 
@@ -15,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvbroker.errors import invalid
+from kvbroker.errors import BrokerError, Code, invalid
 from kvbroker.model import (
     BrokerAllocation,
     BufferLayout,
@@ -32,8 +35,12 @@ from kvbroker.model import (
     MemoryKind,
     SharedMemoryRef,
     Topology,
+    TransferState,
 )
+from kvbroker.parts import Landed
+from kvbroker.peer_link import GrantOffer, PartAck, PartNotice
 from kvbroker.transfers import TransferStatus
+from kvbroker.validation import OFFER_TOKEN, check_grant_pages, check_identifier, check_peer_address
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
@@ -136,7 +143,7 @@ def status_out(s: TransferStatus) -> bpb.TransferStatus:
     return bpb.TransferStatus(
         request_id=s.request_id, engine_id=s.engine_id, role=int(s.role), state=int(s.state), code=s.code,
         reason=s.reason, pages=s.pages, runs=s.runs, bytes=s.bytes, truncated_pages=s.truncated_pages,
-        duration_us=s.duration_us, components=[int(c) for c in s.components],
+        duration_us=s.duration_us, components=[int(c) for c in s.components], parts=s.parts, aux=s.aux,
     )
 
 
@@ -177,3 +184,70 @@ def engine_layout_in(e: ppb.PeerEngine) -> EngineLayout:
     if len(kinds) > 1:
         raise invalid(f"{where}: the peer engine's layer buffers mix host and GPU memory")
     return EngineLayout(e.engine_id, topology_in(e.topology, f"{where}.topology"), components)
+
+
+def grant_pages_in(values, field_name: str = "pages") -> list[tuple[Component, np.ndarray]]:
+    """ComponentPages messages: (component, page ids) in request order."""
+    return [(enum_in(Component, p.component, f"{field_name}[{i}].component"), page_ids_in(p.page_ids))
+            for i, p in enumerate(values)]
+
+
+def grant_pages_out(granted: dict[Component, np.ndarray]) -> list[pb.ComponentPages]:
+    return [pb.ComponentPages(component=int(k), page_ids=v.tolist()) for k, v in granted.items()]
+
+
+def part_pages_in(values, field_name: str = "pages") -> list[tuple[Component, np.ndarray, int]]:
+    """PartPages messages: (component, source page ids, dst_offset) in request order."""
+    return [(enum_in(Component, p.component, f"{field_name}[{i}].component"), page_ids_in(p.src_page_ids),
+             p.dst_offset) for i, p in enumerate(values)]
+
+
+def grant_offer_out(offer: GrantOffer, broker_id: str, epoch: int) -> ppb.OfferGrantRequest:
+    return ppb.OfferGrantRequest(
+        broker_id=broker_id, epoch=epoch, peer_address=offer.peer_address, engine_id=offer.engine_id,
+        request_id=offer.request_id, sender_engine_id=offer.sender_engine_id,
+        pages=grant_pages_out(offer.granted), remaining_ms=max(1, int(offer.remaining_s * 1000)),
+        offer_token=offer.token, generation=offer.generation,
+    )
+
+
+def grant_offer_in(req: ppb.OfferGrantRequest, max_pages: int) -> GrantOffer:
+    """An offer as received: ids, token and every page list checked before anything is kept."""
+    check_identifier(req.engine_id, "engine_id")
+    check_identifier(req.request_id, "request_id")
+    if req.sender_engine_id:
+        check_identifier(req.sender_engine_id, "sender_engine_id")
+    check_peer_address(req.peer_address, "peer_address")
+    if not OFFER_TOKEN.fullmatch(req.offer_token):
+        raise invalid("offer_token: must be 32 hex digits")
+    granted = check_grant_pages(None, grant_pages_in(req.pages), "pages", max_pages)
+    return GrantOffer(req.peer_address, req.engine_id, req.request_id, req.sender_engine_id, granted,
+                      req.remaining_ms / 1000, req.offer_token, req.generation)
+
+
+def part_notice_out(n: PartNotice) -> ppb.PartNotice:
+    return ppb.PartNotice(
+        engine_id=n.engine_id, request_id=n.request_id, offer_token=n.token, part=n.part,
+        parts_total=n.parts_total, succeeded=n.succeeded, code=n.code, reason=n.reason[:1024],
+        landed=[ppb.PartLanded(component=int(x.kind), dst_offset=x.dst_offset, pages=x.pages) for x in n.landed],
+        aux=n.aux, truncated_pages=n.truncated,
+    )
+
+
+def part_notice_in(n: ppb.PartNotice, field_name: str) -> PartNotice:
+    landed = tuple(Landed(enum_in(Component, x.component, f"{field_name}.landed[{j}].component"), x.dst_offset,
+                          x.pages) for j, x in enumerate(n.landed))
+    return PartNotice(n.engine_id, n.request_id, n.offer_token, n.part, n.parts_total, n.succeeded, landed,
+                      n.aux, n.truncated_pages, n.code, n.reason)
+
+
+def part_ack_out(ack: PartAck) -> ppb.PartAck:
+    return ppb.PartAck(state=0 if ack.state is None else int(ack.state), code=ack.code, reason=ack.reason)
+
+
+def part_ack_in(ack: ppb.PartAck, address: str) -> PartAck:
+    try:
+        state = None if ack.state == 0 else TransferState(ack.state)
+    except ValueError:
+        raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {ack.state}") from None
+    return PartAck(state, ack.code, ack.reason)

@@ -47,6 +47,7 @@ class Offer:
     writing: int = 0  # parts accepted whose notice has not been answered
     quiet: asyncio.Event = field(default_factory=asyncio.Event)  # set while writing == 0
     ended: BrokerError | None = None  # why no more part may be sent
+    withdrawn: bool = False  # the receiver revoked it (and so needs no word of its end)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     record: object = None  # the sender's TransferRecord once an engine holds the offer
 

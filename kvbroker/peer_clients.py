@@ -12,6 +12,10 @@ into the clock, and clocks step), so handshake answers are ordered by when they 
 answer with another epoch than the newest applied, to a handshake sent before that one, comes
 from the process the peer has since replaced: it is given back and the handshake is sent again.
 
+The offered flow's calls: `offer` (OfferGrant) and `revoke` (RevokeOffer) for the receiving
+side, `notify` for the sending side, whose notices go through a Notifier (notifier.py) that
+batches them per peer.
+
 An address left unused is forgotten by the idle policy, IdlePeers (peer_idle.py). The receiving
 side is peer_service.py.
 """
@@ -34,8 +38,9 @@ from kvbroker.edge import from_rpc_error
 from kvbroker.errors import BrokerError, Code
 from kvbroker.metrics import Metrics
 from kvbroker.model import Component, TransferState
+from kvbroker.notifier import Notifier
 from kvbroker.peer_idle import IdlePeers
-from kvbroker.peer_link import ClaimResult, PeerSession
+from kvbroker.peer_link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
 from kvbroker.transfers import Grant, TransferStatus
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
@@ -58,10 +63,11 @@ class PeerRecord:
 class PeerClients:
     """The PeerLink of a Broker: handshakes, claims and completion notices over gRPC."""
 
-    def __init__(self, broker_id: str, epoch: int, backend: Backend, *, idle_s: float,
+    def __init__(self, broker_id: str, epoch: int, backend: Backend, *, idle_s: float, rpc_timeout_s: float = 5.0,
                  channel_options: Sequence[tuple[str, object]] = (),
                  credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None) -> None:
         self._metrics = metrics
+        self.notifier = Notifier(self._send_notices, timeout_s=rpc_timeout_s)
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
@@ -248,7 +254,29 @@ class PeerClients:
             raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {reply.state} "
                                             f"for the grant") from None
 
+    async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
+        reply = await self._rpc(address, "OfferGrant", convert.grant_offer_out(offer, self._broker_id, self._epoch),
+                                timeout)
+        return reply.broker_id, reply.epoch
+
+    async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,
+                     timeout: float) -> bool:
+        request = ppb.RevokeOfferRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
+                                         request_id=request_id, offer_token=token, code=code, reason=reason[:1024])
+        reply = await self._rpc(address, "RevokeOffer", request, timeout)
+        return reply.quiesced
+
+    async def notify(self, address: str, notice: PartNotice) -> PartAck:
+        return await self.notifier.notify(address, notice)
+
+    async def _send_notices(self, address: str, notices: Sequence[PartNotice], timeout: float) -> list[PartAck]:
+        request = ppb.NotifyPartsRequest(broker_id=self._broker_id, epoch=self._epoch,
+                                         notices=[convert.part_notice_out(n) for n in notices])
+        reply = await self._rpc(address, "NotifyParts", request, timeout)
+        return [convert.part_ack_in(a, address) for a in reply.acks]
+
     async def close(self) -> None:
+        await self.notifier.close()
         await self._idle.close(CLOSE_WAIT_S)
         for address in list(self._channels):
             self._close_channel(address)

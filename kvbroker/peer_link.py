@@ -1,6 +1,8 @@
 """What a Broker needs of its peers, as a protocol, and what it gets back: `PeerLink` (implemented
-by PeerClients, peer_clients.py), `PeerSession` (a handshake's result) and `ClaimResult`. Here so that
-the sender and the peer clients both import them without importing each other.
+by PeerClients, peer_clients.py), `PeerSession` (a handshake's result) and `ClaimResult`; and the
+messages of the offered flow as the domain sees them: `GrantOffer` (a receiver offers a grant),
+`PartNotice` (a sender says a part landed or failed) and `PartAck` (the receiver's answer). Here
+so that the sender, the receiver and the peer clients import them without importing each other.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from kvbroker.model import Component, EngineLayout, TransferState
+from kvbroker.parts import Landed
 from kvbroker.transfers import Grant, TransferStatus
 
 
@@ -34,6 +37,46 @@ class ClaimResult:
     generation: int
 
 
+@dataclass(frozen=True)
+class GrantOffer:
+    """A grant one broker offers another: where to write (engine_id, pages), until when, with which token."""
+
+    peer_address: str  # the offering broker's peer listener
+    engine_id: str  # the receiving engine
+    request_id: str
+    sender_engine_id: str  # empty: any engine of the called broker
+    granted: dict[Component, np.ndarray]
+    remaining_s: float
+    token: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class PartNotice:
+    """What became of one part of an offered grant, as its sender tells the receiver."""
+
+    engine_id: str  # the receiving engine
+    request_id: str
+    token: str
+    part: int
+    parts_total: int  # with the last part: the parts of the request; else 0
+    succeeded: bool
+    landed: tuple[Landed, ...] = ()
+    aux: bytes = b""
+    truncated: int = 0
+    code: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PartAck:
+    """The receiver's answer to a notice: the grant's state, or why the notice was refused."""
+
+    state: TransferState | None  # None when the receiver holds no such grant
+    code: int = 0  # 0: taken
+    reason: str = ""
+
+
 class PeerLink(Protocol):
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession: ...
 
@@ -42,3 +85,16 @@ class PeerLink(Protocol):
 
     async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
                        status: TransferStatus, timeout: float) -> TransferState: ...
+
+    async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
+        """Offer a grant to the broker at `address`; its broker id and epoch."""
+        ...
+
+    async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,
+                     timeout: float) -> bool:
+        """Withdraw an offer; whether no write into it runs on the sender any longer."""
+        ...
+
+    async def notify(self, address: str, notice: PartNotice) -> PartAck:
+        """Tell a receiver about one part (batched with other notices to the same peer)."""
+        ...

@@ -1,6 +1,16 @@
-"""The PeerService servicer: the receiving side of broker to broker (Handshake, ClaimGrant,
-CompleteTransfer). Proto in, Broker call, proto out; domain errors become status codes (edge.py).
-The sending side is peer_clients.py."""
+"""The PeerService servicer: the receiving side of broker to broker. Proto in, Broker call, proto
+out; domain errors become status codes (edge.py). The sending side is peer_clients.py.
+
+Every call first establishes who the caller is (trust.PeerGate: under mutual TLS its broker_id
+must be a name of its certificate) and whether `peer_allow` admits it. A caller that is not
+admitted gets, from Handshake, the very answer an unknown engine gets, so that engine ids cannot
+be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
+
+- Handshake: an engine's layout and the transfer engine's metadata;
+- ClaimGrant, CompleteTransfer: the claimed flow;
+- OfferGrant, RevokeOffer: a receiver offers a grant to this broker, or withdraws it;
+- NotifyParts: a sender reports parts of grants this broker offered.
+"""
 
 from __future__ import annotations
 
@@ -8,17 +18,35 @@ from kvbroker import convert
 from kvbroker.backends.base import TransferFailed
 from kvbroker.broker import Broker
 from kvbroker.edge import translate_errors
-from kvbroker.errors import BrokerError, Code
+from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.notifier import MAX_BATCH
+from kvbroker.registry import unknown_engine
+from kvbroker.trust import PeerGate, PeerIdentity
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
+REVOKE_ANSWER_MARGIN_S = 0.5  # what RevokeOffer keeps of its deadline for the answer itself
+
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, gate: PeerGate) -> None:
         self._broker = broker
+        self._gate = gate
+
+    def _caller(self, request, context) -> PeerIdentity:
+        """Who calls, admitted; else PERMISSION_DENIED."""
+        identity = self._gate.identify(request.broker_id, context.auth_context())
+        if not self._gate.admits(identity):
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"broker_id: peer {identity.name[:128]!r} is not admitted by this broker's peer_allow")
+        return identity
 
     @translate_errors
     async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
+        try:
+            self._caller(request, context)
+        except BrokerError:
+            raise unknown_engine(request.engine_id) from None
         backend = self._broker.backend
         if request.backend != backend.name:
             raise BrokerError(Code.FAILED_PRECONDITION,
@@ -35,9 +63,11 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     @translate_errors
     async def ClaimGrant(self, request: ppb.ClaimGrantRequest, context) -> ppb.ClaimGrantResponse:
+        identity = self._caller(request, context)
+        self._broker.registry.get(request.engine_id)  # ids before page arrays
         grant, generation = self._broker.claim(
-            request.engine_id, request.request_id, convert.components_in(request.components),
-            convert.page_ids_in(request.dst_page_ids), claimant=request.broker_id,
+            identity, request.engine_id, request.request_id, convert.components_in(request.components),
+            convert.page_ids_in(request.dst_page_ids),
         )
         return ppb.ClaimGrantResponse(
             dst_page_ids=grant.dst_page_ids.tolist(), epoch=self._broker.epoch, generation=generation,
@@ -46,9 +76,42 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     @translate_errors
     async def CompleteTransfer(self, request: ppb.CompleteTransferRequest, context) -> ppb.CompleteTransferResponse:
+        identity = self._caller(request, context)
         state = self._broker.complete(
-            request.engine_id, request.request_id, request.claim_token, request.broker_id,
-            succeeded=request.succeeded, code=request.code, reason=request.reason, pages=request.pages,
-            runs=request.runs, nbytes=request.bytes, truncated=request.truncated_pages,
+            identity, request.engine_id, request.request_id, request.claim_token, succeeded=request.succeeded,
+            code=request.code, reason=request.reason, pages=request.pages, runs=request.runs,
+            truncated=request.truncated_pages,
         )
         return ppb.CompleteTransferResponse(state=int(state))
+
+    @translate_errors
+    async def OfferGrant(self, request: ppb.OfferGrantRequest, context) -> ppb.OfferGrantResponse:
+        identity = self._caller(request, context)
+        if request.sender_engine_id:
+            self._broker.registry.get(request.sender_engine_id)  # ids before page arrays
+        offer = convert.grant_offer_in(request, self._broker.limits.max_pages_per_request)
+        self._broker.receive_offer(identity, offer, request.epoch)
+        return ppb.OfferGrantResponse(broker_id=self._broker.broker_id, epoch=self._broker.epoch)
+
+    @translate_errors
+    async def RevokeOffer(self, request: ppb.RevokeOfferRequest, context) -> ppb.RevokeOfferResponse:
+        identity = self._caller(request, context)
+        left = context.time_remaining()
+        wait = self._broker.limits.peer_rpc_timeout_s if left is None else max(0.0, left - REVOKE_ANSWER_MARGIN_S)
+        quiesced = await self._broker.revoke_offer(identity, request.engine_id, request.request_id,
+                                                   request.offer_token, request.code, request.reason, wait)
+        return ppb.RevokeOfferResponse(quiesced=quiesced)
+
+    @translate_errors
+    async def NotifyParts(self, request: ppb.NotifyPartsRequest, context) -> ppb.NotifyPartsResponse:
+        identity = self._caller(request, context)
+        if len(request.notices) > MAX_BATCH:
+            raise BrokerError(Code.RESOURCE_EXHAUSTED,
+                              f"notices: {len(request.notices)} exceed the limit of {MAX_BATCH} per call")
+        notices = []
+        for i, notice in enumerate(request.notices):
+            if len(notice.landed) > 16:
+                raise invalid(f"notices[{i}].landed: {len(notice.landed)} entries; a part writes each component once")
+            notices.append(convert.part_notice_in(notice, f"notices[{i}]"))
+        acks = self._broker.take_notices(identity, notices)
+        return ppb.NotifyPartsResponse(acks=[convert.part_ack_out(a) for a in acks])

@@ -129,7 +129,7 @@ class Registry:
         try:
             return self._engines[engine_id]
         except KeyError:
-            raise not_found(f"engine_id: no engine {engine_id!r} is registered on this broker") from None
+            raise unknown_engine(engine_id) from None
 
     def build(self, spec: EngineSpec) -> Engine:
         """`check`, then `materialise`: an engine mapped but not yet visible."""
@@ -271,3 +271,9 @@ class _Resolver:
                           f"exceeds segment {m.name!r} of {seg.size} bytes")
         seg.reserve(m.offset, buf.length, f"{at}.shared_memory")
         return seg.address + m.offset, MemoryKind.HOST, 0
+
+
+def unknown_engine(engine_id: str) -> BrokerError:
+    """NOT_FOUND for an engine id this broker does not hold; also what a peer that is not admitted
+    hears, word for word, so that engine ids cannot be told apart from the outside."""
+    return not_found(f"engine_id: no engine {engine_id[:128]!r} is registered on this broker")

@@ -13,8 +13,10 @@ phases, each a short method:
              segments are checked before and after (memory.check_segments: shrunk or poisoned)
     notify   CompleteTransfer to the receiver (PeerLink.complete), then SUCCEEDED
 
-Any failure fails the record with the code and message of what raised; once the peer was reached,
-the receiver is told of the failure too, unless the grant refused us.
+Any failure fails the record with the code and message of what raised; once the grant is claimed,
+the receiver is told of the failure too. Only the claimant may fail a grant, with the claim's
+token: so a rule's refusal claims the grant before it is told, and the receiver's watchers see the
+rule. This is the claimed flow; the offered flow's sender is part_sender.py.
 """
 
 from __future__ import annotations
@@ -152,14 +154,26 @@ class Sender:
         since the peer engine may have re-registered since."""
         kinds = job.record.components
         try:
-            topology.check_transfer(job.engine.layout, session.engine, kinds)
-            return session
+            try:
+                topology.check_transfer(job.engine.layout, session.engine, kinds)
+                return session
+            except BrokerError:
+                fresh = await self._handshake(job, refresh=True)
+                if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
+                    raise
+                topology.check_transfer(job.engine.layout, fresh.engine, kinds)
+                return fresh
         except BrokerError:
-            fresh = await self._handshake(job, refresh=True)
-            if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
-                raise
-            topology.check_transfer(job.engine.layout, fresh.engine, kinds)
-            return fresh
+            await self._claim_to_refuse(job, session)
+            raise
+
+    async def _claim_to_refuse(self, job: _Send, session: PeerSession) -> None:
+        """Claim the grant a rule refused, so that it can be failed with the rule (a grant that will
+        not be claimed, say for a component it lacks, just keeps waiting for its sender or expiry)."""
+        try:
+            await self._claim(job, session)
+        except BrokerError as exc:
+            log.debug("could not claim refused grant %s: %s", job.cmd.request_id, exc)
 
     async def _claim(self, job: _Send, session: PeerSession) -> tuple[PeerSession, Grant]:
         """The receiver's grant; when it answers from another epoch or registry generation than the
@@ -200,8 +214,8 @@ class Sender:
 
     async def _tell_peer_failed(self, job: _Send) -> None:
         record, cmd = job.record, job.cmd
-        if record.code == Code.PERMISSION_DENIED or record.code == Code.NOT_FOUND:
-            return  # the grant refused us (or is not there): it is not ours to fail
+        if not job.token:
+            return  # never claimed: the grant is not ours to fail
         try:
             await asyncio.shield(self._peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id,
                                                       job.token, record.snapshot(),

@@ -34,6 +34,7 @@ from kvbroker.metrics import Metrics
 from kvbroker.peer_clients import PeerClients
 from kvbroker.peer_service import PeerServicer
 from kvbroker.service import BrokerServicer
+from kvbroker.trust import PeerGate
 from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -147,30 +148,34 @@ class BrokerServer:
         s = self.settings
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
         limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
-                        s.transfer_timeout_s, s.peer_rpc_timeout_s)
+                        s.transfer_timeout_s, s.peer_rpc_timeout_s, s.offer_wait_s, s.max_offers, s.max_aux_bytes,
+                        s.max_parts_per_request)
         epoch = new_epoch()
         server_credentials, channel_credentials = peer_credentials(s)
         channel_options = [("grpc.max_receive_message_length", s.max_message_bytes),
                            ("grpc.max_send_message_length", s.max_message_bytes)]
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
-        peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, channel_options=channel_options,
-                            credentials=channel_credentials, metrics=self.metrics)
-        broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics)
+        peer_server = self._grpc_server(PEER_SERVICE)
+        peer_listen = _bind(peer_server, s.peer_listen, server_credentials)  # its port goes into our offers
+        peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
+        gate = PeerGate(s.peer_allow_patterns, authenticated=bool(s.peer_tls_ca))
+        if not gate.authenticated:
+            log.warning("peers are not authenticated: without mutual TLS (peer_tls_cert, peer_tls_key and "
+                        "peer_tls_ca) a peer's broker_id is its own claim, and peer_allow can only trust it")
+        peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, rpc_timeout_s=s.peer_rpc_timeout_s,
+                            channel_options=channel_options, credentials=channel_credentials, metrics=self.metrics)
+        broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()
         self.broker, self._peers = broker, peers
-
-        peer_server = self._grpc_server(PEER_SERVICE)
-        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker), peer_server)
-        peer_listen = _bind(peer_server, s.peer_listen, server_credentials)
-        peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
+        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker, gate), peer_server)
         if not s.peer_tls_ca and peer_listen.rpartition(":")[0] not in ("127.0.0.1", "[::1]", "localhost"):
             log.warning("the peer port %s accepts brokers it cannot authenticate; set peer_tls_cert, "
                         "peer_tls_key and peer_tls_ca for mutual TLS", peer_listen)
 
         local_server = self._grpc_server(BROKER_SERVICE)
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
-            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s), local_server)
+            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s, gate), local_server)
         listen = _bind(local_server, s.listen)
 
         for server in self._servers:

@@ -7,19 +7,24 @@ import contextlib
 from kvbroker import __version__, convert
 from kvbroker.broker import Broker
 from kvbroker.edge import details, status_code, translate_errors
-from kvbroker.errors import BrokerError
+from kvbroker.errors import BrokerError, invalid
+from kvbroker.part_sender import PartCommand
 from kvbroker.peer_clients import PeerClients
+from kvbroker.receiver import GrantCommand
 from kvbroker.sender import TransferCommand
+from kvbroker.trust import PeerGate
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
 
 class BrokerServicer(bpb_grpc.BrokerServiceServicer):
-    def __init__(self, broker: Broker, peers: PeerClients, peer_address: str, unregister_wait_s: float) -> None:
+    def __init__(self, broker: Broker, peers: PeerClients, peer_address: str, unregister_wait_s: float,
+                 gate: PeerGate | None = None) -> None:
         self._broker = broker
         self._peers = peers
         self._peer_address = peer_address
         self._unregister_wait_s = unregister_wait_s
+        self._gate = gate or PeerGate(["*"], authenticated=False)
 
     def _engine_info(self, engine) -> bpb.EngineInfo:
         return bpb.EngineInfo(
@@ -52,20 +57,44 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def ExpectTransfer(self, request, context):
-        status = await self._broker.expect_transfer(
-            request.engine_id, request.request_id, convert.components_in(request.components),
-            convert.page_ids_in(request.dst_page_ids), request.expiry_ms,
-        )
+        if request.pages and (request.components or request.dst_page_ids):
+            raise invalid("pages: give either pages, or components with dst_page_ids, not both")
+        if request.pages:
+            pages, shared = convert.grant_pages_in(request.pages), False
+        else:
+            ids = convert.page_ids_in(request.dst_page_ids)
+            pages, shared = [(kind, ids) for kind in convert.components_in(request.components)], True
+        command = GrantCommand(request.request_id, request.engine_id, tuple(pages), request.expiry_ms,
+                               request.sender_address, request.sender_engine_id, shared)
+        status = await self._broker.expect_transfer(command)
         return bpb.ExpectTransferResponse(status=convert.status_out(status))
 
     @translate_errors
     async def Transfer(self, request, context):
-        command = TransferCommand(
-            request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
-            convert.components_in(request.components), convert.page_ids_in(request.src_page_ids),
-            convert.page_ids_in(request.dst_page_ids),
-        )
-        status = await self._broker.transfer(command, context.time_remaining())
+        """The claimed flow when the request names the receiver (peer_address), else the offered flow."""
+        if request.peer_address or request.remote_engine_id:
+            if request.pages or request.more_parts or request.aux:
+                raise invalid("pages: the claimed flow (peer_address set) takes components and src_page_ids; "
+                              "pages, more_parts and aux belong to the offered flow (peer_address empty)")
+            command = TransferCommand(
+                request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
+                convert.components_in(request.components), convert.page_ids_in(request.src_page_ids),
+                convert.page_ids_in(request.dst_page_ids),
+            )
+            status = await self._broker.transfer(command, context.time_remaining())
+        else:
+            if request.dst_page_ids:
+                raise invalid("dst_page_ids: the offered flow places pages by PartPages.dst_offset")
+            if request.pages and (request.components or request.src_page_ids):
+                raise invalid("pages: give either pages, or components with src_page_ids, not both")
+            if request.pages:
+                pages = convert.part_pages_in(request.pages)
+            else:
+                ids = convert.page_ids_in(request.src_page_ids)
+                pages = [(kind, ids, 0) for kind in convert.components_in(request.components)]
+            command = PartCommand(request.request_id, request.engine_id, tuple(pages), not request.more_parts,
+                                  request.aux)
+            status = await self._broker.send_part(command, context.time_remaining())
         return bpb.TransferResponse(status=convert.status_out(status))
 
     async def WatchTransfer(self, request, context):
@@ -95,5 +124,6 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
             sessions=[bpb.SessionInfo(session_id=x.session_id, holder=x.holder, engine_ids=sorted(x.engine_ids),
                                       opened_unix_ms=int(x.opened_at * 1000))
                       for x in broker.sessions()],
+            peers_authenticated=self._gate.authenticated, peer_allow=list(self._gate.allow),
         )
 

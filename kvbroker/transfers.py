@@ -5,12 +5,15 @@ by (engine_id, request_id). `TransferTable` owns every record, every expiry time
 watcher queue; the Broker (receiver side) and the Sender (sender side) drive its state changes,
 servicers read snapshots and watch:
 - lookup: `get`, `live`;
-- creation: `add_grant` (ExpectTransfer), `add_send` (Transfer);
-- state changes: `start` (TRANSFERRING), `succeed`, `fail`; a grant's expiry fails it by itself;
-- the receiver's grant: `claim`, once, by the sender's ClaimGrant;
-- `watch`: the current state, then every change.
-Every state change passes through `_add`, `start` or `_end`: there the table tells its observer
-(metrics), and `_end` writes the one log line of each request's end, whatever ended it.
+- creation: `add_grant` (ExpectTransfer), `add_send` (Transfer, or an offer naming its engine);
+- state changes: `start` (TRANSFERRING), `progress` (a part landed), `succeed`, `fail`; a grant's
+  expiry fails it by itself;
+- the receiver's grant: `claim`, once, by the sender's ClaimGrant (the claimed flow); an offered
+  grant (`OfferedGrant`) is filled by parts instead, which the Broker lands;
+- `watch`: the current state, then every change of state or of the parts landed.
+Every state change passes through `_add`, `start`, `progress` or `_end`: there the table tells its
+observer (metrics), and `_end` writes the one log line of each request's end, whatever ended it,
+tells `on_end`, and lets go of the request's page lists: an ended record keeps counts only.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, code_name, not_found
+from kvbroker.errors import BrokerError, Code, code_name, not_found, precondition
 from kvbroker.model import Component, TransferRole, TransferState
+from kvbroker.parts import Landing
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -46,6 +50,23 @@ class TransferStatus:
     bytes: int = 0
     truncated_pages: int = 0
     duration_us: int = 0
+    parts: int = 0
+    aux: bytes = b""  # the receiver's, with SUCCEEDED only
+
+
+@dataclass(eq=False)
+class OfferedGrant:
+    """A receiver's grant that it offered to one sending broker (the decode-initiated flow)."""
+
+    sender_address: str
+    sender_engine_id: str  # empty: any engine of that broker
+    token: str  # the offer's secret; every notice about the grant carries it
+    landing: Landing | None  # the parts landed so far; dropped when the grant ends
+    sender_id: str = ""  # the sending broker's identity: from its answer to the offer, or its first notice
+    sender_epoch: int = 0
+    sender_failed: bool = False  # the sender told us it failed: it needs no revocation
+    offered: asyncio.Event = field(default_factory=asyncio.Event)  # set once the offer call has returned
+    revoking: asyncio.Task | None = None  # the RevokeOffer call, once the grant ended without the sender
 
 
 @dataclass(frozen=True)
@@ -74,10 +95,16 @@ class TransferRecord:
     transferring_at: float | None = None
     finished: float | None = None
     peer: str = ""  # the other broker: the address a sender dials, the broker id that claimed a grant
+    parts: int = 0
     # receiver side
-    dst_page_ids: np.ndarray | None = None
+    granted: dict[Component, np.ndarray] | None = None  # destination pages per component, until the end
     expires_at: float | None = None
     claim_token: str = ""
+    claimed_pages: int = 0  # the claimed flow: pages the claim handed out, the bound of what can land
+    offered: OfferedGrant | None = None
+    aux: bytes = b""
+    # sender side, the offered flow: the offer it writes into (kvbroker.offers.Offer)
+    offer: object = None
     # ownership: timers and the sender's task are cancelled when the record ends
     timer: asyncio.TimerHandle | None = None
     task: asyncio.Task | None = None
@@ -90,9 +117,11 @@ class TransferRecord:
 
     def snapshot(self) -> TransferStatus:
         end = self.finished if self.finished is not None else time.monotonic()
+        aux = self.aux if self.state is TransferState.SUCCEEDED else b""
         return TransferStatus(
             self.request_id, self.engine_id, self.role, self.state, self.components, self.code, self.reason,
             self.pages, self.runs, self.bytes, self.truncated_pages, int((end - self.started) * 1e6),
+            self.parts, aux,
         )
 
 
@@ -105,8 +134,10 @@ class TransferTable:
     """Every live and recently ended request of one broker. Used on the event loop only."""
 
     def __init__(self, retention_s: float = 300.0, max_ended: int = 10000,
-                 clock: Callable[[], float] = time.monotonic, observer: TransferObserver | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, observer: TransferObserver | None = None,
+                 on_end: Callable[[TransferRecord], None] | None = None) -> None:
         self._observer = observer
+        self._on_end = on_end
         self._records: dict[tuple[str, str], TransferRecord] = {}
         self._ended: dict[tuple[str, str], None] = {}  # insertion-ordered, oldest first
         self._retention_s = retention_s
@@ -119,6 +150,13 @@ class TransferTable:
             return self._records[(engine_id, request_id)]
         except KeyError:
             raise not_found(f"request_id: no request {request_id!r} on engine {engine_id!r}") from None
+
+    def find(self, engine_id: str, request_id: str) -> TransferRecord | None:
+        return self._records.get((engine_id, request_id))
+
+    def with_request_id(self, request_id: str) -> list[TransferRecord]:
+        """Every record, live or recently ended, of `request_id` on any engine of this broker."""
+        return [r for r in self._records.values() if r.request_id == request_id]
 
     def live(self, engine_id: str | None = None) -> list[TransferRecord]:
         return [r for r in self._records.values()
@@ -139,11 +177,13 @@ class TransferTable:
             self._observer.transfer_changed(record)
         return record
 
-    def add_grant(self, engine_id: str, request_id: str, components: tuple[Component, ...],
-                  dst_page_ids: np.ndarray, expiry_s: float) -> TransferRecord:
+    def add_grant(self, engine_id: str, request_id: str, granted: dict[Component, np.ndarray], expiry_s: float,
+                  offered: OfferedGrant | None = None) -> TransferRecord:
+        """A grant of `granted` (destination pages per component; the claimed flow shares one list
+        among its components), failed by itself at `expiry_s`."""
         now = self._clock()
-        record = self._add(TransferRecord(request_id, engine_id, TransferRole.RECEIVER, components, now,
-                                          dst_page_ids=dst_page_ids, expires_at=now + expiry_s))
+        record = self._add(TransferRecord(request_id, engine_id, TransferRole.RECEIVER, tuple(granted), now,
+                                          granted=granted, expires_at=now + expiry_s, offered=offered))
         record.timer = asyncio.get_running_loop().call_later(expiry_s, self._expire, record)
         return record
 
@@ -166,6 +206,24 @@ class TransferTable:
             self.counts[TransferState.TRANSFERRING.name] += 1
             self._publish(record)
 
+    def progress(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int,
+                 last: bool = False) -> None:
+        """A part of a live request landed: its counts join the record's, and watchers see them
+        (unless it is the `last`, which the caller ends the record with at once)."""
+        if record.state.terminal:
+            return
+        record.parts += 1
+        record.pages += pages
+        record.runs += runs
+        record.bytes += nbytes
+        record.truncated_pages += truncated
+        if last:
+            return
+        if record.state is TransferState.PENDING:
+            self.start(record)
+        else:
+            self._publish(record)
+
     def _end(self, record: TransferRecord, state: TransferState) -> None:
         record.state = state
         record.finished = self._clock()
@@ -173,12 +231,16 @@ class TransferTable:
         if record.timer is not None:
             record.timer.cancel()
             record.timer = None
-        record.dst_page_ids = None if state is TransferState.SUCCEEDED else record.dst_page_ids
+        record.granted = None
+        if record.offered is not None:
+            record.offered.landing = None
         record.done.set()
         self._publish(record)
         self._log_end(record)
         self._ended[record.key] = None
         self._trim()
+        if self._on_end is not None:
+            self._on_end(record)
 
     @staticmethod
     def _log_end(record: TransferRecord) -> None:
@@ -192,10 +254,16 @@ class TransferTable:
                    "code": code_name(s.code) if s.code else "", "reason": s.reason},
         )
 
-    def succeed(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int) -> bool:
+    def succeed(self, record: TransferRecord, *, pages: int | None = None, runs: int | None = None,
+                nbytes: int | None = None, truncated: int | None = None) -> bool:
+        """End a live record SUCCEEDED, with these counts (None: keep what the parts added up to)."""
         if record.state.terminal:
             return False
-        record.pages, record.runs, record.bytes, record.truncated_pages = pages, runs, nbytes, truncated
+        for name, value in (("pages", pages), ("runs", runs), ("bytes", nbytes), ("truncated_pages", truncated)):
+            if value is not None:
+                setattr(record, name, value)
+        if record.role is TransferRole.RECEIVER and record.offered is None:
+            record.parts = 1
         self._end(record, TransferState.SUCCEEDED)
         return True
 
@@ -237,6 +305,10 @@ class TransferTable:
         if record.state is TransferState.FAILED:
             code = Code.DEADLINE_EXCEEDED if record.code == Code.DEADLINE_EXCEEDED else Code.FAILED_PRECONDITION
             raise BrokerError(code, f"grant {request_id!r} has failed: {record.reason}")
+        if record.offered is not None:
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"grant {request_id!r} was offered to the broker at {record.offered.sender_address}; "
+                              "only that broker's parts may write it")
         if record.state is not TransferState.PENDING:
             raise BrokerError(Code.PERMISSION_DENIED,
                               f"grant {request_id!r} was already claimed (state {record.state.name})")
@@ -244,7 +316,12 @@ class TransferTable:
         if outside:
             raise BrokerError(Code.PERMISSION_DENIED,
                               f"components: {', '.join(outside)} not in the grant for request {request_id!r}")
-        granted = record.dst_page_ids
+        components = components or record.components
+        lists = {id(record.granted[c]) for c in components}
+        if len(lists) != 1:
+            raise precondition(f"grant {request_id!r} has a page list per component; the claimed flow moves one "
+                               "list, so only an offered grant (sender_address) can have several")
+        granted = record.granted[components[0]]
         if dst_page_ids.size:
             inside = np.isin(dst_page_ids, granted)
             if not inside.all():
@@ -256,12 +333,14 @@ class TransferTable:
                 )
             granted = dst_page_ids
         record.claim_token = secrets.token_hex(16)
+        record.claimed_pages = int(granted.size)
         record.peer = claimant
         self.start(record)
         return Grant(granted, record.claim_token, max(0.0, record.expires_at - self._clock()))
 
     async def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
-        """The current state, then every change, ending after a terminal state."""
+        """The current state, then every change of state or of the parts landed, ending after a
+        terminal state."""
         record = self.get(engine_id, request_id)
         queue: asyncio.Queue[TransferStatus] = asyncio.Queue()
         record.watchers.add(queue)
@@ -270,7 +349,7 @@ class TransferTable:
             yield status
             while not status.state.terminal:
                 change = await queue.get()
-                if change.state is not status.state:
+                if change.state is not status.state or change.parts != status.parts:
                     status = change
                     yield status
         finally:

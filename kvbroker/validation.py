@@ -7,7 +7,10 @@ naming the field and the rule.
 - `registered_pages`: each of a request's components is registered by the engine, and the pages
   they all have, the bound of a page id into them (ExpectTransfer, Transfer, and the sender's plan
   against the receiver's engine);
-- `check_page_ids`: a page-id list against that bound and the request limit.
+- `check_page_ids`: a page-id list against that bound and the request limit;
+- `check_grant_pages`, `check_part_pages`: a page list per component, for a grant (ExpectTransfer,
+  an offer received) and for one part of an offered transfer (Transfer);
+- `check_aux`, `check_peer_address`: the aux payload's bound; a peer broker's address.
 
 Callers: Registry (registry.py), Broker (broker.py), the sender's plan.
 """
@@ -34,6 +37,7 @@ from kvbroker.model import (
 )
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
+OFFER_TOKEN = re.compile(r"[0-9a-f]{32}")
 ROLES_BY_LAYOUT = {Layout.FLAT: (BufferRole.FLAT,), Layout.KV_SPLIT: (BufferRole.K, BufferRole.V)}
 
 
@@ -72,6 +76,9 @@ def validate_spec(spec: EngineSpec, max_pages: int) -> None:
         seen.add(comp.kind)
         if comp.kind is Component.MINIMAX_INDEX_K and comp.layout is not Layout.FLAT:
             raise invalid(f"{where}.layout: MINIMAX_INDEX_K must be LAYOUT_FLAT, got {comp.layout.name}")
+        if comp.kind is Component.MINIMAX_DENSE_KV and comp.layout is not Layout.KV_SPLIT:
+            raise invalid(f"{where}.layout: MINIMAX_DENSE_KV (K and V per dense layer) must be LAYOUT_KV_SPLIT, got "
+                          f"{comp.layout.name}")
         if not 1 <= comp.num_pages <= max_pages:
             raise invalid(f"{where}.num_pages: must be in [1, {max_pages}], got {comp.num_pages}")
         if not comp.layer_buffers:
@@ -140,8 +147,9 @@ def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: 
             raise invalid(f"{field_name}: page id {dup} appears more than once")
 
 
-def check_components(components: Sequence[Component], field_name: str) -> tuple[Component, ...]:
-    if not components:
+def check_components(components: Sequence[Component], field_name: str, *,
+                     allow_empty: bool = False) -> tuple[Component, ...]:
+    if not components and not allow_empty:
         raise invalid(f"{field_name}: at least one component is required")
     if len(set(components)) != len(components):
         raise invalid(f"{field_name}: a component is listed twice")
@@ -157,3 +165,48 @@ def registered_pages(layout: EngineLayout, components: Sequence[Component]) -> i
         if kind not in layout.components:
             raise precondition(f"components: {kind.name} is not registered by engine {layout.engine_id!r}")
     return min(layout.components[k].num_pages for k in components)
+
+
+def check_grant_pages(layout: EngineLayout | None, pages: Sequence[tuple[Component, np.ndarray]], field_name: str,
+                      max_pages: int) -> dict[Component, np.ndarray]:
+    """A grant's destination pages per component: each component once, registered by the engine
+    (`layout`; None: the receiver's, not known here, so only the request bound applies), each list
+    non-empty, without duplicates and inside that component's pages."""
+    kinds = check_components([kind for kind, _ in pages], field_name)
+    granted = {}
+    for i, (kind, ids) in enumerate(pages):
+        num_pages = np.iinfo(np.int64).max if layout is None else registered_pages(layout, [kind])
+        check_page_ids(ids, f"{field_name}[{i}].page_ids ({kind.name})", num_pages, max_pages, unique=True)
+        granted[kind] = ids
+    assert tuple(granted) == kinds
+    return granted
+
+
+def check_part_pages(layout: EngineLayout, pages: Sequence[tuple[Component, np.ndarray, int]], field_name: str,
+                     max_pages: int) -> None:
+    """One part's source pages per component: each component once and registered by the sending
+    engine, each id inside its pages; a list may be empty (a part that moves only some components)."""
+    check_components([kind for kind, _, _ in pages], field_name, allow_empty=True)
+    for i, (kind, ids, _) in enumerate(pages):
+        num_pages = registered_pages(layout, [kind])
+        if ids.size:
+            check_page_ids(ids, f"{field_name}[{i}].src_page_ids ({kind.name})", num_pages, max_pages, unique=False)
+
+
+def check_aux(aux: bytes, *, last: bool, max_aux_bytes: int) -> None:
+    if not aux:
+        return
+    if not last:
+        raise invalid("aux: only the last part (more_parts false) carries the aux payload")
+    if len(aux) > max_aux_bytes:
+        raise BrokerError(Code.RESOURCE_EXHAUSTED,
+                          f"aux: {len(aux)} bytes exceed the limit of {max_aux_bytes} (max_aux_bytes)")
+
+
+PEER_ADDRESS = re.compile(r"(unix:[^\x00]{1,200}|\[[0-9A-Fa-f:.]{2,45}\]:\d{1,5}|[A-Za-z0-9._-]{1,253}:\d{1,5})")
+
+
+def check_peer_address(value: str, field_name: str) -> None:
+    """A peer broker's peer listener: "host:port", "[v6]:port" or "unix:/path"."""
+    if not PEER_ADDRESS.fullmatch(value):
+        raise invalid(f"{field_name}: {value[:128]!r} is not a peer address (host:port, [v6]:port or unix:/path)")

@@ -102,15 +102,24 @@ class BufferPlacement:
 
 def place_buffers(shape: ModelShape, components=("MAIN_KV", "MINIMAX_INDEX_K"),
                   main_layout: str = "KV_SPLIT") -> list[BufferPlacement]:
-    """Lay out every layer buffer back to back in one pool, in registration order."""
+    """Lay out every layer buffer back to back in one pool, in registration order. With
+    MINIMAX_DENSE_KV, as SGLang 0.5.23 registers MiniMax-M3: MAIN_KV holds the sparse layers and
+    MINIMAX_DENSE_KV the dense layers' K and V; without it, MAIN_KV holds every layer."""
     placements, offset = [], 0
+    dense_state = "MINIMAX_DENSE_KV" in components
     if "MAIN_KV" in components:
         roles = [pb.BUFFER_ROLE_K, pb.BUFFER_ROLE_V] if main_layout == "KV_SPLIT" else [pb.BUFFER_ROLE_FLAT]
         item = shape.kv_item_len if main_layout == "KV_SPLIT" else 2 * shape.kv_item_len
-        for layer in range(shape.layers):
+        for layer in (shape.sparse_layer_ids if dense_state else range(shape.layers)):
             for role in roles:
                 placements.append(BufferPlacement(pb.COMPONENT_MAIN_KV, layer, role, offset, item))
                 offset += shape.num_pages * item
+    if dense_state:
+        for layer in range(shape.dense_layers):
+            for role in (pb.BUFFER_ROLE_K, pb.BUFFER_ROLE_V):
+                placements.append(BufferPlacement(pb.COMPONENT_MINIMAX_DENSE_KV, layer, role, offset,
+                                                  shape.kv_item_len))
+                offset += shape.num_pages * shape.kv_item_len
     if "MINIMAX_INDEX_K" in components:
         for layer in shape.sparse_layer_ids:
             placements.append(BufferPlacement(pb.COMPONENT_MINIMAX_INDEX_K, layer, pb.BUFFER_ROLE_FLAT, offset,
@@ -135,7 +144,7 @@ def register_request(engine_id: str, shape: ModelShape, segment: SharedSegment,
                      placements: list[BufferPlacement], main_layout: str = "KV_SPLIT",
                      topo: pb.Topology | None = None) -> bpb.RegisterEngineRequest:
     layouts = {pb.COMPONENT_MAIN_KV: pb.LAYOUT_KV_SPLIT if main_layout == "KV_SPLIT" else pb.LAYOUT_FLAT,
-               pb.COMPONENT_MINIMAX_INDEX_K: pb.LAYOUT_FLAT}
+               pb.COMPONENT_MINIMAX_INDEX_K: pb.LAYOUT_FLAT, pb.COMPONENT_MINIMAX_DENSE_KV: pb.LAYOUT_KV_SPLIT}
     components = []
     for kind in dict.fromkeys(p.component for p in placements):
         components.append(pb.ComponentSpec(

@@ -1,0 +1,258 @@
+"""The receiver side: grants, their offers to senders, and what senders report into them.
+
+Called by the Broker (the façade):
+- `expect` (ExpectTransfer): a grant of a destination page list per component. With a sender
+  address, the grant is offered to that broker (OfferGrant) before the call returns, and only
+  that broker may write it; an offer that fails fails the grant.
+- `claim`, `complete` (PeerService ClaimGrant, CompleteTransfer): the claimed flow, where the
+  sender names this broker. A grant is claimed once, by an admitted peer; only its claimant, with
+  the claim's token, may then complete or fail it. Counts come from the grant, not the claim.
+- `take_notices` (PeerService NotifyParts): each notice checked against its grant (the offer's
+  token, the sender's identity, the landing of parts.py) and applied: pages landed, the last
+  part's aux, SUCCEEDED once every part has landed, FAILED when the sender says so. Counts come
+  from the grant and this broker's own item_len, never from the sender's figures.
+- `ended` (the table's end callback): an offered grant that ended without its sender (cancelled,
+  expired, its engine unregistered, the broker draining) is revoked at the sender in a task
+  (RevokeOffer), which answers once no write into it runs; `revoked` waits for that answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.model import Component, TransferRole, TransferState
+from kvbroker.parts import Landing, landed_bytes
+from kvbroker.peer_link import GrantOffer, PartAck, PartNotice, PeerLink
+from kvbroker.registry import Registry
+from kvbroker.transfers import Grant, OfferedGrant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.trust import PeerIdentity
+from kvbroker.validation import (
+    check_components,
+    check_grant_pages,
+    check_identifier,
+    check_page_ids,
+    check_peer_address,
+    registered_pages,
+)
+
+if TYPE_CHECKING:
+    from kvbroker.broker import Limits
+
+log = logging.getLogger("kvbroker.transfer")
+
+
+@dataclass(frozen=True)
+class GrantCommand:
+    """An ExpectTransfer as the domain sees it."""
+
+    request_id: str
+    engine_id: str
+    pages: tuple[tuple[Component, np.ndarray], ...]  # destination pages per component
+    expiry_ms: int
+    sender_address: str = ""  # set: the offered flow
+    sender_engine_id: str = ""
+    shared: bool = False  # one dst_page_ids list for every component (the claimed flow's form)
+
+
+def _same(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+class Receiver:
+    def __init__(self, registry: Registry, table: TransferTable, peers: PeerLink, limits: Limits,
+                 peer_address: str) -> None:
+        self._registry = registry
+        self._table = table
+        self._peers = peers
+        self._limits = limits
+        self._peer_address = peer_address  # ours, where senders reach this broker
+        self._tasks: set[asyncio.Task] = set()
+
+    async def expect(self, cmd: GrantCommand) -> TransferStatus:
+        check_identifier(cmd.request_id, "request_id")
+        engine = self._registry.get(cmd.engine_id)
+        max_pages = self._limits.max_pages_per_request
+        if cmd.shared:
+            kinds = check_components([kind for kind, _ in cmd.pages], "components")
+            ids = cmd.pages[0][1] if cmd.pages else np.empty(0, dtype=np.int64)
+            check_page_ids(ids, "dst_page_ids", registered_pages(engine.layout, kinds), max_pages, unique=True)
+            granted = {kind: ids for kind in kinds}
+        else:
+            granted = check_grant_pages(engine.layout, cmd.pages, "pages", max_pages)
+            if not cmd.sender_address:
+                raise invalid("pages: a page list per component is for a grant offered to its sender; set "
+                              "sender_address, or give one dst_page_ids list")
+        if cmd.sender_address:
+            check_peer_address(cmd.sender_address, "sender_address")
+        if cmd.sender_engine_id:
+            if not cmd.sender_address:
+                raise invalid("sender_engine_id: needs sender_address")
+            check_identifier(cmd.sender_engine_id, "sender_engine_id")
+        expiry_s = cmd.expiry_ms / 1000 if cmd.expiry_ms else self._limits.default_grant_expiry_s
+        if expiry_s > self._limits.max_grant_expiry_s:
+            raise invalid(f"expiry_ms: {cmd.expiry_ms} exceeds the limit of "
+                          f"{self._limits.max_grant_expiry_s * 1000:.0f}")
+        offered = None
+        if cmd.sender_address:
+            offered = OfferedGrant(cmd.sender_address, cmd.sender_engine_id, secrets.token_hex(16),
+                                   Landing(granted, self._limits.max_parts_per_request))
+        record = self._table.add_grant(cmd.engine_id, cmd.request_id, granted, expiry_s, offered)
+        if offered is not None:
+            await self._offer(record, engine.generation, expiry_s)
+        return record.snapshot()
+
+    async def _offer(self, record: TransferRecord, generation: int, expiry_s: float) -> None:
+        """Offer the grant to its sender; the grant fails with the offer."""
+        offered = record.offered
+        offer = GrantOffer(self._peer_address, record.engine_id, record.request_id, offered.sender_engine_id,
+                           dict(record.granted), expiry_s, offered.token, generation)
+        try:
+            sender_id, epoch = await self._peers.offer(offered.sender_address, offer,
+                                                       timeout=self._limits.peer_rpc_timeout_s)
+        except BrokerError as exc:
+            # The sender answered a refusal: it holds nothing to revoke. Silence (UNAVAILABLE) may hide an
+            # offer that arrived, so that one is revoked when the grant fails here.
+            offered.sender_failed = exc.code is not Code.UNAVAILABLE
+            message = f"the offer to the sender broker at {offered.sender_address} failed: {exc.message}"
+            self._table.fail(record, exc.code, message)
+            raise BrokerError(exc.code, message) from None
+        finally:
+            offered.offered.set()
+        if offered.sender_id and offered.sender_id != sender_id:
+            self._table.fail(record, Code.PERMISSION_DENIED,
+                             f"the broker at {offered.sender_address} answered as {sender_id!r}, but "
+                             f"{offered.sender_id!r} reported parts of the grant")
+        offered.sender_id, offered.sender_epoch = sender_id, epoch
+        if record.state is TransferState.FAILED:  # cancelled or expired while the offer was on its way
+            raise BrokerError(Code(record.code) if record.code in Code._value2member_map_ else Code.ABORTED,
+                              record.reason)
+
+    def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: tuple[Component, ...],
+              dst_page_ids: np.ndarray) -> tuple[Grant, int]:
+        engine = self._registry.get(engine_id)
+        grant = self._table.claim(engine_id, request_id, components, dst_page_ids, identity.name)
+        return grant, engine.generation
+
+    def complete(self, identity: PeerIdentity, engine_id: str, request_id: str, claim_token: str, *,
+                 succeeded: bool, code: int, reason: str, pages: int, runs: int, truncated: int) -> TransferState:
+        """The claimant's word on a claimed grant. Only the claimant, with its token, is heard; the
+        counts kept are bounded by what was claimed (its pages, this engine's item_len)."""
+        record = self._table.get(engine_id, request_id)
+        if record.role is not TransferRole.RECEIVER:
+            raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
+        if record.offered is not None:
+            raise BrokerError(Code.PERMISSION_DENIED, f"grant {request_id!r} was offered to its sender; only that "
+                                                      "broker's part notices complete it")
+        if record.state.terminal:
+            return record.state
+        if not record.claim_token or not claim_token or not _same(claim_token, record.claim_token):
+            raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
+        if identity.name != record.peer:
+            raise BrokerError(Code.PERMISSION_DENIED, f"grant {request_id!r} was claimed by {record.peer!r}, not "
+                                                      f"{identity.name!r}")
+        if succeeded:
+            engine = self._registry.find(engine_id)
+            landed = min(max(pages, 0), record.claimed_pages)
+            per_page = 0 if engine is None else sum(
+                b.item_len for k in record.components for b in engine.layout.components[k].buffers)
+            self._table.succeed(record, pages=landed, runs=min(max(runs, 0), landed), nbytes=landed * per_page,
+                                truncated=min(max(truncated, 0), self._limits.max_pages_per_request))
+        else:
+            self._table.fail(record, _known(code), f"sender {identity.name!r} failed: {reason[:1024]}")
+        return record.state
+
+    def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
+        return [self._take(identity, notice) for notice in notices]
+
+    def _take(self, identity: PeerIdentity, n: PartNotice) -> PartAck:
+        record = self._table.find(n.engine_id, n.request_id)
+        if record is None or record.role is not TransferRole.RECEIVER or record.offered is None:
+            return PartAck(None, int(Code.NOT_FOUND),
+                           f"no offered grant {n.request_id[:128]!r} on engine {n.engine_id[:128]!r}")
+        offered = record.offered
+        if not _same(n.token, offered.token):
+            return PartAck(None, int(Code.PERMISSION_DENIED), "offer_token: does not match the grant's offer")
+        if offered.sender_id and identity.name != offered.sender_id:
+            return PartAck(None, int(Code.PERMISSION_DENIED),
+                           f"grant {n.request_id!r} was offered to {offered.sender_id!r}, not {identity.name!r}")
+        if record.state.terminal:
+            return PartAck(record.state, 0, record.reason)
+        offered.sender_id = offered.sender_id or identity.name
+        if not n.succeeded:
+            offered.sender_failed = True
+            self._table.fail(record, _known(n.code), f"sender {identity.name!r} failed: {n.reason[:1024]}")
+            return PartAck(record.state, 0, record.reason)
+        try:
+            if n.aux and not n.parts_total:
+                raise invalid("aux: only the last part carries the aux payload")
+            if len(n.aux) > self._limits.max_aux_bytes:
+                raise BrokerError(Code.RESOURCE_EXHAUSTED, f"aux: {len(n.aux)} bytes exceed the limit of "
+                                                           f"{self._limits.max_aux_bytes} (max_aux_bytes)")
+            engine = self._registry.get(n.engine_id)
+            pages = offered.landing.land(n.part, n.parts_total, n.landed)
+        except BrokerError as exc:
+            # The grant's own sender reported what cannot be: its writes can no longer be trusted.
+            self._table.fail(record, Code.ABORTED, f"sender {identity.name!r} reported an impossible part: "
+                                                   f"{exc.message}")
+            return PartAck(record.state, int(exc.code), exc.message)
+        if n.parts_total:
+            record.aux = bytes(n.aux)
+        complete = offered.landing.complete
+        self._table.progress(record, pages=pages, runs=0, nbytes=landed_bytes(engine.layout, n.landed),
+                             truncated=min(n.truncated, self._limits.max_pages_per_request), last=complete)
+        if complete:
+            self._table.succeed(record)
+        return PartAck(record.state)
+
+    def ended(self, record: TransferRecord) -> None:
+        """A grant ended: one offered to a sender that did not end it itself is revoked there."""
+        offered = record.offered
+        if offered is None or record.state is TransferState.SUCCEEDED or offered.sender_failed:
+            return
+        task = asyncio.get_running_loop().create_task(self._revoke(record), name=f"revoke {record.request_id}")
+        offered.revoking = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _revoke(self, record: TransferRecord) -> bool:
+        offered, timeout = record.offered, self._limits.peer_rpc_timeout_s
+        try:
+            await asyncio.wait_for(offered.offered.wait(), timeout)  # an offer on its way is revoked after it
+            if offered.sender_failed:
+                return True
+            quiesced = await self._peers.revoke(offered.sender_address, record.engine_id, record.request_id,
+                                                offered.token, record.code, record.reason, timeout=timeout)
+        except (BrokerError, TimeoutError) as exc:
+            log.warning("could not revoke grant %s at its sender %s: %s", record.request_id,
+                        offered.sender_address, exc)
+            return False
+        if not quiesced:
+            log.warning("the sender %s of grant %s still wrote into it when it answered the revocation",
+                        offered.sender_address, record.request_id)
+        return quiesced
+
+    async def revoked(self, records: list[TransferRecord], timeout: float) -> None:
+        """Wait (bounded) for the revocations of these grants to be answered."""
+        tasks = [r.offered.revoking for r in records if r.offered is not None and r.offered.revoking is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_rpc_timeout_s * 2)
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _known(code: int) -> Code:
+    """A peer's failure code as ours: one outside our table (or OK) becomes ABORTED."""
+    return Code(code) if code in Code._value2member_map_ else Code.ABORTED
+
