@@ -1,0 +1,208 @@
+"""The decode-initiated (offered) flow on two real brokers and real engines: the receiver offers its
+grant to the sender's broker, the sender writes it in parts (chunked prefill), each component on
+its own page list, and the last part carries the state components and the aux bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from kvbroker.tools import shapes
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from tests.conftest import SMALL, assert_bytes
+
+pytestmark = pytest.mark.integration
+
+MAIN, INDEX, DENSE = pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K, pb.COMPONENT_MINIMAX_DENSE_KV
+M3 = ("MAIN_KV", "MINIMAX_INDEX_K", "MINIMAX_DENSE_KV")
+
+
+async def offer(dst, src, request_id, pages: dict, *, sender_engine=True, expiry_ms=30_000, timeout=10):
+    """ExpectTransfer naming the sender: the grant is offered to src's broker before it returns."""
+    return await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=dst.engine_id, expiry_ms=expiry_ms,
+        pages=[pb.ComponentPages(component=k, page_ids=list(map(int, v))) for k, v in pages.items()],
+        sender_address=src.broker.peer_address, sender_engine_id=src.engine_id if sender_engine else ""),
+        timeout=timeout)
+
+
+async def part(src, request_id, pages: dict, *, offsets=None, last=True, aux=b"", timeout=30):
+    """One Transfer of the offered flow: no peer address, source pages per component."""
+    offsets = offsets or {}
+    return await src.stub.Transfer(bpb.TransferRequest(
+        request_id=request_id, engine_id=src.engine_id, more_parts=not last, aux=aux,
+        pages=[bpb.PartPages(component=k, src_page_ids=list(map(int, v)), dst_offset=offsets.get(k, 0))
+               for k, v in pages.items()]), timeout=timeout)
+
+
+async def watch_all(engine, request_id, timeout=30):
+    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
+                                     timeout=timeout)
+    return [u.status async for u in call]
+
+
+async def rest(call) -> list:
+    """The statuses a watch still sends, read by read() (the iterator and read() do not mix)."""
+    out = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        out.append(message.status)
+    return out
+
+
+async def refusal(call) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+def expect_pages(src, dst, before, moves):
+    """The destination pool after `moves`: (component, src ids, dst ids) each."""
+    expected = before
+    for kind, src_ids, dst_ids in moves:
+        expected = shapes.expected_destination(src.segment.array, expected, dst.shape, dst.placements, {kind},
+                                               np.asarray(src_ids), np.asarray(dst_ids))
+    return expected
+
+
+async def m3_pair(brokers, engines, seed=0):
+    src = await engines.make(brokers.prefill, "prefill", components=M3, seed=seed)
+    dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
+    return src, dst
+
+
+def pick(rng, n):
+    return rng.permutation(SMALL.num_pages)[:n]
+
+
+async def test_one_part_moves_every_component_and_ends_both_sides_succeeded(brokers, engines, request_id):
+    src, dst = await m3_pair(brokers, engines)
+    rng = np.random.default_rng(1)
+    dst_main, src_main = pick(rng, 8), pick(rng, 8)
+    before = dst.segment.array.copy()
+    reply = await offer(dst, src, request_id, {MAIN: dst_main})
+    assert reply.status.state == pb.TRANSFER_STATE_PENDING
+    sender_side = await watch_first(src, request_id)  # the named sender engine holds the offer as PENDING
+    assert sender_side.state == pb.TRANSFER_STATE_PENDING and sender_side.role == pb.TRANSFER_ROLE_SENDER
+    done = await part(src, request_id, {MAIN: src_main}, aux=b"first token")
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED and done.status.parts == 1
+    assert done.status.pages == 8 and done.status.aux == b""  # aux is the receiver's
+    seen = await watch_all(dst, request_id)
+    assert seen[-1].state == pb.TRANSFER_STATE_SUCCEEDED and seen[-1].aux == b"first token"
+    assert seen[-1].bytes == 8 * SMALL.kv_item_len * 2 * SMALL.sparse_layers
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_main, dst_main)]))
+
+
+async def watch_first(engine, request_id):
+    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
+                                     timeout=10)
+    first = await call.read()
+    call.cancel()
+    return first.status
+
+
+async def test_a_chunked_minimax_request_lands_every_component_and_the_aux_with_success(brokers, engines, request_id):
+    """Main KV in three chunks; the index-K suffix after a 2-page decode prefix and the dense KV of
+    every page come with the last chunk, with the aux bytes; each on its own page list."""
+    src, dst = await m3_pair(brokers, engines, seed=3)
+    rng = np.random.default_rng(2)
+    pages = 12
+    src_all, dst_all = pick(rng, pages), pick(rng, pages)
+    prefix = 2
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: dst_all, INDEX: dst_all[prefix:], DENSE: dst_all})
+    watch = dst.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id),
+                                   timeout=30)
+    first = (await watch.read()).status
+    chunks = [(0, 5), (5, 9)]
+    for start, end in chunks:
+        reply = await part(src, request_id, {MAIN: src_all[start:end]}, offsets={MAIN: start}, last=False)
+        assert reply.status.state == pb.TRANSFER_STATE_TRANSFERRING
+    aux = bytes(range(256)) * 8
+    last = await part(src, request_id, {MAIN: src_all[9:], INDEX: src_all[prefix:], DENSE: src_all},
+                      offsets={MAIN: 9}, aux=aux)
+    assert last.status.state == pb.TRANSFER_STATE_SUCCEEDED and last.status.parts == 3
+    assert last.status.pages == pages + (pages - prefix) + pages
+    updates = [first] + await rest(watch)
+    assert [u.state for u in updates][0] == pb.TRANSFER_STATE_PENDING
+    assert [u.parts for u in updates if u.state == pb.TRANSFER_STATE_TRANSFERRING] == [1, 2]
+    assert all(u.aux == b"" for u in updates[:-1]) and updates[-1].aux == aux
+    assert updates[-1].state == pb.TRANSFER_STATE_SUCCEEDED and updates[-1].parts == 3
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all, dst_all), (INDEX, src_all[prefix:],
+                                                                                   dst_all[prefix:]),
+                                                       (DENSE, src_all, dst_all)]))
+
+
+async def test_parts_sent_at_once_land_once_each(brokers, engines, request_id):
+    src, dst = await m3_pair(brokers, engines, seed=4)
+    rng = np.random.default_rng(4)
+    src_all, dst_all = pick(rng, 16), pick(rng, 16)
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: dst_all})
+    parts = [part(src, request_id, {MAIN: src_all[i:i + 4]}, offsets={MAIN: i}, last=False) for i in (0, 4, 8)]
+    await asyncio.gather(*parts)
+    await part(src, request_id, {MAIN: src_all[12:]}, offsets={MAIN: 12})
+    seen = await watch_all(dst, request_id)
+    assert seen[-1].state == pb.TRANSFER_STATE_SUCCEEDED and seen[-1].parts == 4 and seen[-1].pages == 16
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all, dst_all)]))
+
+
+async def test_a_transfer_before_the_offer_waits_for_it(brokers, engines, request_id):
+    src, dst = await m3_pair(brokers, engines, seed=5)
+    ids = np.arange(6)
+    sending = asyncio.create_task(part(src, request_id, {MAIN: ids}))
+    await offer(dst, src, request_id, {MAIN: ids + 10}, sender_engine=False)
+    reply = await asyncio.wait_for(sending, 30)
+    assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
+
+
+async def test_refused_parts_write_nothing_and_leave_the_grant_to_complete(brokers, engines, request_id):
+    src, dst = await m3_pair(brokers, engines, seed=6)
+    rng = np.random.default_rng(6)
+    src_all, dst_all = pick(rng, 8), pick(rng, 8)
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: dst_all, DENSE: dst_all})
+    await part(src, request_id, {MAIN: src_all[:4]}, last=False)
+    outside = await refusal(part(src, request_id, {MAIN: src_all[:1]}, offsets={MAIN: 8}, last=False))
+    assert outside.code() == grpc.StatusCode.PERMISSION_DENIED and "rule part-in-grant" in outside.details()
+    overlap = await refusal(part(src, request_id, {MAIN: src_all[:2]}, offsets={MAIN: 3}, last=False))
+    assert overlap.code() == grpc.StatusCode.FAILED_PRECONDITION and "earlier part" in overlap.details()
+    not_granted = await refusal(part(src, request_id, {INDEX: src_all[:2]}, last=False))
+    assert not_granted.code() == grpc.StatusCode.PERMISSION_DENIED
+    short_dense = await refusal(part(src, request_id, {MAIN: src_all[4:], DENSE: src_all[:7]}, offsets={MAIN: 4}))
+    assert short_dense.code() == grpc.StatusCode.FAILED_PRECONDITION and "rule dense-kv-length" in short_dense.details()
+    big_aux = await refusal(part(src, request_id, {MAIN: src_all[4:], DENSE: src_all}, offsets={MAIN: 4},
+                                 aux=b"x" * 65537))
+    assert big_aux.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_aux_bytes" in big_aux.details()
+    early_aux = await refusal(part(src, request_id, {MAIN: src_all[4:5]}, offsets={MAIN: 4}, last=False, aux=b"a"))
+    assert early_aux.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (await watch_first(dst, request_id)).state == pb.TRANSFER_STATE_TRANSFERRING
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all[:4], dst_all[:4])]))
+    done = await part(src, request_id, {MAIN: src_all[4:], DENSE: src_all}, offsets={MAIN: 4})
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    after = await refusal(part(src, request_id, {MAIN: src_all[:1]}, last=False))
+    assert after.code() == grpc.StatusCode.FAILED_PRECONDITION and "completed already" in after.details()
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all, dst_all), (DENSE, src_all, dst_all)]))
+
+
+async def test_a_per_component_grant_cannot_be_claimed(brokers, engines, request_id):
+    """The claimed flow (sender names the receiver) cannot write a grant offered to a sender."""
+    src, dst = await m3_pair(brokers, engines, seed=7)
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: np.arange(4)}, sender_engine=False)  # no sender record yet
+    error = await refusal(src.stub.Transfer(bpb.TransferRequest(
+        request_id=request_id, engine_id=src.engine_id, peer_address=dst.broker.peer_address,
+        remote_engine_id=dst.engine_id, components=[MAIN], src_page_ids=[0, 1, 2, 3]), timeout=30))
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "offered" in error.details()
+    assert_bytes(dst, before)
+
+
+async def test_pages_per_component_need_a_sender(brokers, engines, request_id):
+    dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
+    error = await refusal(dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=dst.engine_id,
+        pages=[pb.ComponentPages(component=MAIN, page_ids=[1, 2])]), timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "sender_address" in error.details()
