@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, Component, ComponentLayout, EngineLayout, KvDtype, Layout, BufferRole, Topology
+from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
 from kvbroker.parts import Coverage, Landed, Landing, PartPages, landed_bytes, plan_part
 
 MAIN, INDEX, DENSE = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV
