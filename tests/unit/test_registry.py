@@ -62,6 +62,8 @@ def test_index_with_value_is_unimplemented():
      "components[0].layout: MINIMAX_INDEX_K must be LAYOUT_FLAT"),
     (spec(ComponentSpec(Component.MAIN_KV, Layout.KV_SPLIT, 16, (buf(1, BufferRole.K),))),
      "layer 1 has no V buffer"),
+    (spec(ComponentSpec(Component.MINIMAX_DENSE_KV, Layout.FLAT, 16, (buf(1),))),
+     "components[0].layout: MINIMAX_DENSE_KV (K and V per dense layer) must be LAYOUT_KV_SPLIT"),
     (spec(index_k(num_pages=0)), "components[0].num_pages: must be in [1,"),
     (spec(), "components: at least one component"),
     (spec(index_k(), index_k()), "components[1].component: MINIMAX_INDEX_K is registered twice"),
