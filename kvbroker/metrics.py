@@ -66,7 +66,7 @@ class Metrics:
         self.epoch_changes = Counter("kvbroker_peer_epoch_changes",
                                      "Peer restarts noticed: a known peer answered a handshake with a new epoch",
                                      registry=r)
-        for kind in (Component.MAIN_KV, Component.MINIMAX_INDEX_K):  # zeros before the first request
+        for kind in (Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV):  # zeros first
             self.registered_bytes.labels(kind.name)
             for role in ("sender", "receiver"):
                 for counter in (self.transfers_started, self.transfers_succeeded, self.bytes):
@@ -101,7 +101,8 @@ class Metrics:
             page_bytes = self._page_bytes.get(record.engine_id, {})
             for kind in record.components:
                 self.transfers_succeeded.labels(role, kind.name).inc()
-                self.bytes.labels(role, kind.name).inc(record.pages * page_bytes.get(kind, 0))
+                pages = record.component_pages.get(kind, 0) if record.component_pages else record.pages
+                self.bytes.labels(role, kind.name).inc(pages * page_bytes.get(kind, 0))
             self.pages.labels(role).inc(record.pages)
             self.runs.labels(role).inc(record.runs)
             self.truncated.labels(role).inc(record.truncated_pages)

@@ -112,8 +112,8 @@ class OfferBook:
         loop = asyncio.get_running_loop()
         self._forget_notes(loop.time())
         if self._gave_up.pop(offer.request_id, None) is not None:
-            raise precondition(f"request_id: a Transfer of request {offer.request_id!r} on this broker gave up "
-                               "waiting for the offer before it arrived")
+            raise precondition(f"request_id: a Transfer of request {offer.request_id!r} on this broker "
+                               "gave up waiting for the offer before it arrived")
         key = (offer.request_id, offer.sender_engine_id)
         if key in self._offers or (offer.request_id, "") in self._offers:
             raise BrokerError(Code.ALREADY_EXISTS,

@@ -339,8 +339,8 @@ class PartSender:
             raise BrokerError(code, f"the receiver refused part {job.part}: {ack.reason}")
         if ack.state is TransferState.FAILED:
             raise BrokerError(Code.ABORTED, f"the receiver's grant has failed: {ack.reason}")
-        self._table.progress(job.record, pages=plan.pages, runs=plan.runs, nbytes=plan.descriptors.nbytes,
-                             truncated=plan.truncated)
+        self._table.progress(job.record, landed={x.kind: x.pages for x in plan.landed}, runs=plan.runs,
+                             nbytes=plan.descriptors.nbytes, truncated=plan.truncated)
 
     async def _finish(self, job: _Part) -> None:
         """The last part landed: once every earlier part has too, the request succeeded."""

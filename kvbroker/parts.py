@@ -87,8 +87,8 @@ class PartPlan:
 
 
 def _overlap_refusal(kind: Component, entry: int, granted: np.ndarray) -> BrokerError:
-    return precondition(f"pages: {kind.name} entry {entry} of the grant (page {int(granted[entry])}) was written "
-                        f"by an earlier part; parts may not overlap")
+    return precondition(f"pages: {kind.name} entry {entry} of the grant (page {int(granted[entry])}) "
+                        "was written by an earlier part; parts may not overlap")
 
 
 def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, np.ndarray],

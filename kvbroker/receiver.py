@@ -197,7 +197,7 @@ class Receiver:
                 raise BrokerError(Code.RESOURCE_EXHAUSTED, f"aux: {len(n.aux)} bytes exceed the limit of "
                                                            f"{self._limits.max_aux_bytes} (max_aux_bytes)")
             engine = self._registry.get(n.engine_id)
-            pages = offered.landing.land(n.part, n.parts_total, n.landed)
+            offered.landing.land(n.part, n.parts_total, n.landed)
         except BrokerError as exc:
             # The grant's own sender reported what cannot be: its writes can no longer be trusted.
             self._table.fail(record, Code.ABORTED, f"sender {identity.name!r} reported an impossible part: "
@@ -206,7 +206,8 @@ class Receiver:
         if n.parts_total:
             record.aux = bytes(n.aux)
         complete = offered.landing.complete
-        self._table.progress(record, pages=pages, runs=0, nbytes=landed_bytes(engine.layout, n.landed),
+        self._table.progress(record, landed=_by_component(n.landed), runs=0,
+                             nbytes=landed_bytes(engine.layout, n.landed),
                              truncated=min(n.truncated, self._limits.max_pages_per_request), last=complete)
         if complete:
             self._table.succeed(record)
@@ -250,6 +251,13 @@ class Receiver:
             await asyncio.wait(list(self._tasks), timeout=self._limits.peer_rpc_timeout_s * 2)
         for task in list(self._tasks):
             task.cancel()
+
+
+def _by_component(landed) -> dict[Component, int]:
+    pages: dict[Component, int] = {}
+    for x in landed:
+        pages[x.kind] = pages.get(x.kind, 0) + x.pages
+    return pages
 
 
 def _known(code: int) -> Code:

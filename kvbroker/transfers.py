@@ -96,6 +96,7 @@ class TransferRecord:
     finished: float | None = None
     peer: str = ""  # the other broker: the address a sender dials, the broker id that claimed a grant
     parts: int = 0
+    component_pages: dict[Component, int] = field(default_factory=dict)  # offered flow: pages per component
     # receiver side
     granted: dict[Component, np.ndarray] | None = None  # destination pages per component, until the end
     expires_at: float | None = None
@@ -192,11 +193,11 @@ class TransferTable:
         return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock(),
                                         peer=peer))
 
-    def _publish(self, record: TransferRecord) -> None:
+    def _publish(self, record: TransferRecord, *, state_changed: bool = True) -> None:
         status = record.snapshot()
         for queue in record.watchers:
             queue.put_nowait(status)
-        if self._observer is not None:
+        if state_changed and self._observer is not None:
             self._observer.transfer_changed(record)
 
     def start(self, record: TransferRecord) -> None:
@@ -206,14 +207,17 @@ class TransferTable:
             self.counts[TransferState.TRANSFERRING.name] += 1
             self._publish(record)
 
-    def progress(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int,
-                 last: bool = False) -> None:
-        """A part of a live request landed: its counts join the record's, and watchers see them
-        (unless it is the `last`, which the caller ends the record with at once)."""
+    def progress(self, record: TransferRecord, *, landed: dict[Component, int], runs: int, nbytes: int,
+                 truncated: int, last: bool = False) -> None:
+        """A part of a live request landed (`landed`: its pages per component): its counts join the
+        record's, and watchers see them (unless it is the `last`, which the caller ends the record
+        with at once)."""
         if record.state.terminal:
             return
         record.parts += 1
-        record.pages += pages
+        for kind, pages in landed.items():
+            record.component_pages[kind] = record.component_pages.get(kind, 0) + pages
+        record.pages += sum(landed.values())
         record.runs += runs
         record.bytes += nbytes
         record.truncated_pages += truncated
@@ -222,7 +226,7 @@ class TransferTable:
         if record.state is TransferState.PENDING:
             self.start(record)
         else:
-            self._publish(record)
+            self._publish(record, state_changed=False)
 
     def _end(self, record: TransferRecord, state: TransferState) -> None:
         record.state = state

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.integration
 
 
 def write_identity(ca: trustme.CA, directory, name: str) -> list[str]:
-    cert = ca.issue_cert("127.0.0.1", "localhost", f"{name}.kvbroker.test")
+    """A certificate whose SANs name the broker (its broker id), as a peer's identity must."""
+    cert = ca.issue_cert(name, "127.0.0.1", "localhost")
     paths = {kind: directory / f"{name}-{kind}.pem" for kind in ("cert", "key", "ca")}
     cert.private_key_pem.write_to_path(str(paths["key"]))
     cert.cert_chain_pems[0].write_to_path(str(paths["cert"]))
@@ -27,10 +28,11 @@ def write_identity(ca: trustme.CA, directory, name: str) -> list[str]:
 async def tls_brokers(tmp_path_factory, backend):
     directory = tmp_path_factory.mktemp("tls")
     ca, stranger_ca = trustme.CA(), trustme.CA()
-    decode = await open_broker("tls-decode", backend, *write_identity(ca, directory, "decode"))
-    trusted = await open_broker("tls-prefill", backend, *write_identity(ca, directory, "prefill"))
+    decode = await open_broker("tls-decode", backend, *write_identity(ca, directory, "tls-decode"))
+    trusted = await open_broker("tls-prefill", backend, *write_identity(ca, directory, "tls-prefill"))
     plaintext = await open_broker("plain-prefill", backend)
-    stranger = await open_broker("stranger-prefill", backend, *write_identity(stranger_ca, directory, "stranger"))
+    stranger = await open_broker("stranger-prefill", backend,
+                                 *write_identity(stranger_ca, directory, "stranger-prefill"))
     yield decode, trusted, plaintext, stranger
     for broker in (decode, trusted, plaintext, stranger):
         await close_broker(broker)
