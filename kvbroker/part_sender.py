@@ -15,7 +15,8 @@ Called by the Broker (the façade):
              another epoch or registry generation than the cached one)
     rules    every topology rule of topology.py for the part's components
     plan     where each component's pages land and the descriptors (parts.plan_part, pure)
-    write    the part numbered, its entries reserved, TRANSFERRING; the engine moves the bytes
+    write    the part numbered, its entries reserved, TRANSFERRING; the engine moves the bytes, the
+             engine's segments checked before and after (memory.check_segments: shrunk or poisoned)
     notify   one notice to the receiver (batched per peer by the Notifier); the last part then waits
              for every earlier one, and the request is SUCCEEDED
 
@@ -37,6 +38,7 @@ import numpy as np
 from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, invalid, precondition
+from kvbroker.memory import check_segments
 from kvbroker.model import Component, TransferRole, TransferState
 from kvbroker.offers import Offer, OfferBook
 from kvbroker.parts import PartPages, PartPlan, plan_part
@@ -207,6 +209,7 @@ class PartSender:
         is never cut short mid-write by its caller going away); its status after the part."""
         check_identifier(cmd.request_id, "request_id")
         engine = self._registry.get(cmd.engine_id)
+        check_segments(engine.held, cmd.engine_id)
         check_part_pages(engine.layout, cmd.pages, "pages", self._limits.max_pages_per_request)
         check_aux(cmd.aux, last=cmd.last, max_aux_bytes=self._limits.max_aux_bytes)
         if not cmd.pages and not cmd.last:
@@ -318,13 +321,16 @@ class PartSender:
         if not plan.descriptors.count:
             return
         budget = min(job.left(), offer.remaining_s(asyncio.get_running_loop().time()))
+        check_segments(job.engine.held, job.cmd.engine_id)
         try:
             await self._backend.write(session.peer_handle, plan.descriptors, budget)
         except TransferFailed as exc:
+            check_segments(job.engine.held, job.cmd.engine_id)  # a shrunk source is the cause to report
             raise BrokerError(Code.ABORTED, f"transfer engine {self._backend.name}: {exc}") from exc
         except TimeoutError as exc:
             code = Code.DEADLINE_EXCEEDED if job.caller_bound and job.left() <= 0.01 else Code.ABORTED
             raise BrokerError(code, f"transfer engine {self._backend.name}: {exc}") from exc
+        check_segments(job.engine.held, job.cmd.engine_id)  # shrunk during the write: zeros may have been sent
 
     async def _notify(self, job: _Part, plan: PartPlan) -> None:
         offer, cmd = job.offer, job.cmd

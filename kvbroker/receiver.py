@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.memory import check_segments
 from kvbroker.model import Component, TransferRole, TransferState
 from kvbroker.parts import Landing, landed_bytes
 from kvbroker.peer_link import GrantOffer, PartAck, PartNotice, PeerLink
@@ -79,6 +80,7 @@ class Receiver:
     async def expect(self, cmd: GrantCommand) -> TransferStatus:
         check_identifier(cmd.request_id, "request_id")
         engine = self._registry.get(cmd.engine_id)
+        check_segments(engine.held, cmd.engine_id)
         max_pages = self._limits.max_pages_per_request
         if cmd.shared:
             kinds = check_components([kind for kind, _ in cmd.pages], "components")
@@ -138,6 +140,7 @@ class Receiver:
     def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: tuple[Component, ...],
               dst_page_ids: np.ndarray) -> tuple[Grant, int]:
         engine = self._registry.get(engine_id)
+        check_segments(engine.held, engine_id)
         grant = self._table.claim(engine_id, request_id, components, dst_page_ids, identity.name)
         return grant, engine.generation
 
@@ -160,6 +163,8 @@ class Receiver:
                                                       f"{identity.name!r}")
         if succeeded:
             engine = self._registry.find(engine_id)
+            if engine is not None:
+                self._segments_hold(record, engine)
             landed = min(max(pages, 0), record.claimed_pages)
             per_page = 0 if engine is None else sum(
                 b.item_len for k in record.components for b in engine.layout.components[k].buffers)
@@ -197,12 +202,17 @@ class Receiver:
                 raise BrokerError(Code.RESOURCE_EXHAUSTED, f"aux: {len(n.aux)} bytes exceed the limit of "
                                                            f"{self._limits.max_aux_bytes} (max_aux_bytes)")
             engine = self._registry.get(n.engine_id)
-            offered.landing.land(n.part, n.parts_total, n.landed)
+            offered.landing.check(n.part, n.parts_total, n.landed)
         except BrokerError as exc:
             # The grant's own sender reported what cannot be: its writes can no longer be trusted.
             self._table.fail(record, Code.ABORTED, f"sender {identity.name!r} reported an impossible part: "
                                                    f"{exc.message}")
             return PartAck(record.state, int(exc.code), exc.message)
+        try:
+            self._segments_hold(record, engine)
+        except BrokerError as exc:
+            return PartAck(record.state, int(exc.code), exc.message)
+        offered.landing.land(n.part, n.parts_total, n.landed)
         if n.parts_total:
             record.aux = bytes(n.aux)
         complete = offered.landing.complete
@@ -212,6 +222,15 @@ class Receiver:
         if complete:
             self._table.succeed(record)
         return PartAck(record.state)
+
+    def _segments_hold(self, record: TransferRecord, engine) -> None:
+        """A write may have crossed a segment shrunk meanwhile: its bytes are not there, and the
+        grant fails with the cause (memory.check_segments)."""
+        try:
+            check_segments(engine.held, engine.engine_id)
+        except BrokerError as exc:
+            self._table.fail(record, exc.code, exc.message)
+            raise
 
     def ended(self, record: TransferRecord) -> None:
         """A grant ended: one offered to a sender that did not end it itself is revoked there."""
