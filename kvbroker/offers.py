@@ -99,6 +99,7 @@ class OfferBook:
         self._offers: dict[tuple[str, str], Offer] = {}
         self._waiters: dict[str, set[asyncio.Future]] = {}
         self._gave_up: OrderedDict[str, float] = OrderedDict()  # request id → loop time the note goes
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self._offers)
@@ -137,6 +138,8 @@ class OfferBook:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            if self._closed:
+                raise BrokerError(Code.UNAVAILABLE, "broker is shutting down and accepts no new requests")
             offer = self.find(request_id, engine_id)
             if offer is not None:
                 if not offer.sender_engine_id:
@@ -202,6 +205,7 @@ class OfferBook:
 
     def close(self) -> list[Offer]:
         """End every offer (the broker stops); returns them for their receivers to be told."""
+        self._closed = True
         offers = list(self._offers.values())
         for offer in offers:
             self.end(offer, BrokerError(Code.UNAVAILABLE, "broker shut down before the request completed"))

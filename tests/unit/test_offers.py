@@ -88,3 +88,13 @@ async def test_parts_are_numbered_and_nothing_follows_the_last():
     held.end_part()
     held.end_part()
     assert held.quiet.is_set() and held.done
+
+
+async def test_close_wakes_a_waiting_taker_with_unavailable():
+    book = OfferBook(8)
+    waiting = asyncio.create_task(book.take("r1", "prefill/e0", timeout=30))
+    await asyncio.sleep(0)  # parked on its waiter
+    book.close()
+    with pytest.raises(BrokerError) as info:
+        await asyncio.wait_for(waiting, 5)
+    assert info.value.code is Code.UNAVAILABLE
