@@ -74,6 +74,8 @@ def query(address: str, timeout_s: float = 5.0) -> dict:
         "version": info.version,
         "backend": info.backend,
         "peer_address": info.peer_address,
+        "peers_authenticated": info.peers_authenticated,
+        "peer_allow": list(info.peer_allow),
         "engines": [_engine(e) for e in info.engines],
         "peers": [{"address": p.address, "broker_id": p.broker_id, "epoch": p.epoch, "handshakes": p.handshakes}
                   for p in info.peers],
@@ -97,7 +99,9 @@ def render(status: dict) -> str:
     lines = [f"broker        {status['broker_id']} (kvbroker {status['version']}, {status['backend']}, "
              f"epoch {status['epoch']})",
              f"health        {status['health']} at {status['address']}",
-             f"peer address  {status['peer_address']}", ""]
+             f"peer address  {status['peer_address']}",
+             f"peers         {'authenticated (mutual TLS)' if status['peers_authenticated'] else 'NOT authenticated'}"
+             f", admitting {', '.join(status['peer_allow']) or '*'}", ""]
     rows = []
     for e in status["engines"]:
         t = e["topology"]

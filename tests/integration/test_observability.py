@@ -198,6 +198,7 @@ async def test_status_prints_engines_peers_and_counters(observed, engines, reque
     code, out, err = await kvbroker("status", "--address", observed.prefill.process.listen)
     assert code == 0, err
     assert "health        SERVING" in out and "obs-prefill" in out
+    assert "peers         NOT authenticated, admitting *" in out  # a plaintext peer port says so
     engine_row = next(line for line in out.splitlines() if line.startswith(src.engine_id))
     assert "MAIN_KV" in engine_row and "KV_SPLIT" in engine_row
     assert any(line.split()[:1] == ["MINIMAX_INDEX_K"] for line in out.splitlines())
@@ -213,6 +214,7 @@ async def test_status_json_reads_the_listen_setting(observed, engines, request_i
     status = json.loads(out)
     assert status["broker_id"] == "obs-prefill" and status["health"] == "SERVING"
     assert status["backend"] == "nixl" and status["peer_address"] == observed.prefill.peer_address
+    assert status["peers_authenticated"] is False and status["peer_allow"] == ["*"]
     (engine,) = [e for e in status["engines"] if e["engine_id"] == src.engine_id]
     assert [c["component"] for c in engine["components"]] == ["MAIN_KV", "MINIMAX_INDEX_K"]
     assert engine["registered_bytes"] == sum(c["bytes"] for c in engine["components"])
