@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The full benchmark (about ten minutes, up to ~2.5 GiB of shared memory at the 1 GiB size) in a
+# The full benchmark (about thirteen minutes, up to ~2.5 GiB of shared memory at the 1 GiB size) in a
 # loopback-only network namespace: table on the terminal, JSON in benchmarks/out/bench-<time>.json.
 # Extra arguments go to `kvbroker bench` (e.g. --quick, --sections data, --sizes 64,256).
 set -euo pipefail

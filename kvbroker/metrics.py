@@ -1,9 +1,10 @@
 """Prometheus metrics of one broker: its own registry, fed by three hooks, served over HTTP.
 
 `Metrics` is built by BrokerServer and handed down. The Registry tells it of engines added and
-removed, the TransferTable of every record's state change, PeerClients of every handshake; all three
-call on the event loop. `serve` starts the HTTP endpoint on a daemon thread, which reads the
-(thread-safe) metric values when scraped; `close` stops it. Every metric is listed in the README.
+removed, the TransferTable of every record's state change, PeerClients of every handshake and every
+NotifyParts call (with how many part notices it carries); all three call on the event loop.
+`serve` starts the HTTP endpoint on a daemon thread, which reads the (thread-safe) metric values
+when scraped; `close` stops it. Every metric is listed in the README.
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class Metrics:
         self.epoch_changes = Counter("kvbroker_peer_epoch_changes",
                                      "Peer restarts noticed: a known peer answered a handshake with a new epoch",
                                      registry=r)
+        self.notify_calls = Counter("kvbroker_peer_notify_calls",
+                                    "NotifyParts calls made to peer brokers (each carries one or more part notices)",
+                                    registry=r)
+        self.part_notices = Counter("kvbroker_peer_part_notices",
+                                    "Part notices sent to peer brokers; over notify_calls: notices per call",
+                                    registry=r)
         for kind in (Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV):  # zeros first
             self.registered_bytes.labels(kind.name)
             for role in ("sender", "receiver"):
@@ -117,6 +124,11 @@ class Metrics:
         self.handshakes.inc()
         if epoch_changed:
             self.epoch_changes.inc()
+
+    def peer_notify(self, notices: int) -> None:
+        """One NotifyParts call to a peer, carrying `notices` part notices (batched under load)."""
+        self.notify_calls.inc()
+        self.part_notices.inc(notices)
 
     def serve(self, address: str) -> str:
         """Serve /metrics on `address` (host:port) from a daemon thread; returns host:port as bound."""

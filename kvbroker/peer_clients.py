@@ -272,6 +272,8 @@ class PeerClients:
     async def _send_notices(self, address: str, notices: Sequence[PartNotice], timeout: float) -> list[PartAck]:
         request = ppb.NotifyPartsRequest(broker_id=self._broker_id, epoch=self._epoch,
                                          notices=[convert.part_notice_out(n) for n in notices])
+        if self._metrics is not None:
+            self._metrics.peer_notify(len(notices))
         reply = await self._rpc(address, "NotifyParts", request, timeout)
         return [convert.part_ack_in(a, address) for a in reply.acks]
 

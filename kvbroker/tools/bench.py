@@ -7,9 +7,13 @@ Sections, each producing plain dicts for the JSON report:
   descriptors by the same planner; also (c) by a sender and a receiver Backend in two processes,
   because engines move bytes differently within a process than across two, as brokers do. A numpy
   copy of the same bytes is the ceiling. All paths write into the same shared-memory pools and the
-  first write of each is checked page by page.
+  first write of each is checked page by page. At one size (64 MiB) the same request also goes by
+  the offered flow, as one part and as 8 parts one after another, beside the engine alone writing
+  the same descriptors at once and in parts.
 - control plane: one-page Transfer latency and sustained requests/s (grant + transfer) at several
-  concurrencies, with the client on uvloop and on asyncio's default loop; brokers run uvloop.
+  concurrencies, the claimed and the offered flow side by side and each against the one-RPC floor
+  measured at the same level, with the client on uvloop and on asyncio's default loop; brokers run
+  uvloop.
 - planner: page ids/s of plan_runs + build_descriptors, against a naive Python loop.
 - registration: RegisterEngine / UnregisterEngine of a 64-layer engine with 3 layer buffers a layer.
 
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbroker.tools import shapes
-from kvbroker.tools.bench_children import Child
+from kvbroker.tools.bench_children import FLOWS, Child
 from kvbroker.tools.bench_report import judge, machine, render
 from kvbroker.tools.launch import ChildDied, stop_all
 from kvbroker.tools.shapes import (
@@ -72,11 +76,13 @@ class Plan:
     registration_repeats: int = 5
     registration_pages: int = 1024
     op_timeout_s: float = 600.0  # bound on any one transfer or child answer: a hang fails the section
+    parts_size_mib: int = 64  # the size whose request is also sent as `parts` parts of the offered flow
+    parts: int = 8
 
 
 QUICK = Plan(sizes_mib=(1, 4), repeats=2, concurrency=(1, 16), control_seconds=0.5, control_warmup_s=0.2,
              control_backends=1, planner_sizes=(10**4, 10**5), naive_max=10**4, planner_repeats=2,
-             registration_repeats=1, registration_pages=16, op_timeout_s=60.0)
+             registration_repeats=1, registration_pages=16, op_timeout_s=60.0, parts_size_mib=4, parts=4)
 
 
 @dataclass
@@ -116,7 +122,8 @@ async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
     from kvbroker.tools.launch import start_broker
     from kvbroker_client.client import BrokerClient
 
-    flags = ("--backend", backend, "--log-level", "WARNING", "--transfer-timeout-s", str(timeout))
+    flags = ("--backend", backend, "--log-level", "WARNING", "--transfer-timeout-s", str(timeout),
+             "--metrics-listen", "127.0.0.1:0")  # scraped only at the control plane's window edges
     started = await asyncio.gather(start_broker(f"bench-prefill-{backend}", *flags),
                                    start_broker(f"bench-decode-{backend}", *flags), return_exceptions=True)
     failed = [s for s in started if isinstance(s, BaseException)]
@@ -142,7 +149,7 @@ def _median_gbps(nbytes: int, seconds: list[float]) -> float:
 async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, say) -> dict:
     from kvbroker_client.shm import SharedSegment
 
-    cases, memcpy = [], []
+    cases, memcpy, parts = [], [], []
     for size_mib in plan.sizes_mib:
         shape, pages = sized(size_mib * MiB)
         placements = shapes.place_buffers(shape)
@@ -177,6 +184,14 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                         say(f"  {side.backend:8} {pattern:10} broker {case['broker_gbps']:.2f} GB/s, "
                             f"direct {case['direct_gbps']:.2f} GB/s (2 processes {case['direct2_gbps']:.2f}), "
                             f"ratio {case['ratio']:.3f}{'' if case['verified'] else '  NOT VERIFIED'}")
+                        if size_mib == plan.parts_size_mib:
+                            parted = await _parts_case(side, plan, shape, placements, src_seg, dst_seg, engines,
+                                                       pattern, size_mib, src_ids, dst_ids)
+                            parted.update(claimed_gbps=case["broker_gbps"], direct_gbps=case["direct_gbps"])
+                            parts.append(parted)
+                            say(f"  {side.backend:8} {pattern:10} offered: 1 part {parted['one_part_gbps']:.2f} "
+                                f"GB/s, {plan.parts} parts {parted['parts_gbps']:.2f} GB/s "
+                                f"({parted['parts_vs_one']:.3f}){'' if parted['verified'] else '  NOT VERIFIED'}")
                 finally:
                     for child in (side.direct, side.direct2_tx, side.direct2_rx):
                         await child.ask(op="teardown")
@@ -198,6 +213,15 @@ async def data_plane(sides: list[Side], plan: Plan, rng: np.random.Generator, sa
                    "statistic": "median", "repeats": plan.repeats, "repeats_from_1_gib": min(plan.repeats, 3),
                    "warmup": plan.warmup, "order": "broker, direct and direct2 alternate within each repeat"},
         "cases": cases, "memcpy": memcpy,
+        "parts": {"size_mib": plan.parts_size_mib, "parts": plan.parts, "cases": parts,
+                  "timing": "offered flow through the brokers, on the engines and page lists of the case above: "
+                            "the offer is made before the clock starts; one part: its Transfer call; parts: the "
+                            "first part's call to the last one's return, one after another (as chunked prefill "
+                            "sends them), each part a contiguous slice of every component's page list; "
+                            "1 part and n parts alternate within each repeat, median",
+                  "claimed_gbps": "the case's broker figure: the same request by the claimed flow, one Transfer",
+                  "direct2": "the engine alone (sender and receiver Backend in two processes), the same "
+                             "descriptors written at once or part after part, timed after each broker request"},
     }
 
 
@@ -251,6 +275,59 @@ async def _one_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg,
     }
 
 
+async def _parts_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg, engines, pattern: str,
+                      size_mib: int, src_ids: np.ndarray, dst_ids: np.ndarray) -> dict:
+    """The offered flow: the request as one part, and as `plan.parts` parts sent one after another."""
+    from kvbroker_client.model import TransferState
+
+    bounds = np.linspace(0, src_ids.size, plan.parts + 1).astype(int)
+    await side.direct2_tx.ask(op="plan_parts", src_ids=src_ids.tolist(), dst_ids=dst_ids.tolist(),
+                              bounds=bounds.tolist())
+    one_s, parts_s, verified, nbytes = [], [], True, shape.request_bytes(int(src_ids.size))
+    direct2 = {1: [], plan.parts: []}  # the engine alone, two processes: the same writes, one or in parts
+    repeats = plan.repeats if size_mib < 1024 else min(plan.repeats, 3)
+    for rep in range(plan.warmup + repeats):
+        for split in ((1, plan.parts) if rep % 2 == 0 else (plan.parts, 1)):
+            first = rep == 0
+            if first:
+                dst_seg.array[:] = 0
+            rid = f"bench-parts-{side.backend}-{size_mib}-{pattern}-{rep}-{split}"
+            await side.d_client.expect_transfer(engines[1], rid, pages={c: dst_ids for c in ALL},
+                                                sender_address=side.prefill.peer_listen,
+                                                sender_engine_id=engines[0], expiry_s=600)
+            cuts = bounds if split > 1 else np.array([0, src_ids.size])
+            started = time.perf_counter()
+            for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+                status = await side.p_client.transfer_part(engines[0], rid, {c: src_ids[a:b] for c in ALL},
+                                                           dst_offsets={c: int(a) for c in ALL},
+                                                           last=i == len(cuts) - 2, timeout=plan.op_timeout_s)
+            elapsed = time.perf_counter() - started
+            verified &= status.state is TransferState.SUCCEEDED and status.parts == split and status.bytes == nbytes
+            if first:
+                verified &= moved_pages_match(shape, placements, src_seg.array, dst_seg.array, src_ids, dst_ids)
+            engine_s = (await side.direct2_tx.ask(op="write", parts=split > 1, timeout=plan.op_timeout_s))["seconds"]
+            if rep >= plan.warmup:
+                (one_s if split == 1 else parts_s).append(elapsed)
+                direct2[split].append(engine_s)
+    one_gbps, parts_gbps = _median_gbps(nbytes, one_s), _median_gbps(nbytes, parts_s)
+    engine_one, engine_parts = (statistics.median(direct2[k]) for k in (1, plan.parts))
+    return {
+        "backend": side.backend, "size_mib": size_mib, "pattern": pattern, "pages": int(src_ids.size),
+        "bytes": nbytes, "parts": plan.parts, "part_pages": np.diff(bounds).tolist(),
+        "one_part_s": [round(x, 6) for x in one_s], "parts_s": [round(x, 6) for x in parts_s],
+        "one_part_gbps": round(one_gbps, 4), "parts_gbps": round(parts_gbps, 4),
+        "parts_vs_one": round(parts_gbps / one_gbps, 4),
+        "extra_ms_per_part": round((statistics.median(parts_s) - statistics.median(one_s)) * 1e3
+                                   / (plan.parts - 1), 3),
+        "direct2_one_s": [round(x, 6) for x in direct2[1]],
+        "direct2_parts_s": [round(x, 6) for x in direct2[plan.parts]],
+        "direct2_one_gbps": round(nbytes / engine_one / 1e9, 4),
+        "direct2_parts_gbps": round(nbytes / engine_parts / 1e9, 4),
+        "direct2_extra_ms_per_part": round((engine_parts - engine_one) * 1e3 / (plan.parts - 1), 3),
+        "verified": bool(verified),
+    }
+
+
 def _memcpy(size_mib: int, nbytes: int, src: np.ndarray, dst: np.ndarray, repeats: int) -> dict:
     seconds = []
     for _ in range(repeats):
@@ -279,7 +356,8 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
             try:
                 for loop_name in LOOPS:
                     config = {"prefill": side.prefill.listen, "decode": side.decode.listen,
-                              "peer": side.decode.peer_listen, "prefill_engine": engines[0],
+                              "peer": side.decode.peer_listen, "prefill_peer": side.prefill.peer_listen,
+                              "prefill_metrics": side.prefill.metrics_listen, "prefill_engine": engines[0],
                               "decode_engine": engines[1], "concurrency": list(plan.concurrency),
                               "seconds": plan.control_seconds, "warmup_s": plan.control_warmup_s,
                               "loop": loop_name, "tag": f"{side.backend}-{loop_name}",
@@ -289,7 +367,7 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                     child = await Child.start("control", json.dumps(config))
                     try:
                         per_level = plan.control_seconds + plan.control_warmup_s + 30
-                        budget = len(plan.concurrency) * per_level + 60
+                        budget = len(plan.concurrency) * (1 + len(FLOWS)) * per_level + 60
                         report = await child.reply(timeout=budget)
                     finally:
                         await child.stop()
@@ -298,9 +376,9 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                     for r in report["results"]:
                         runs.append({"backend": side.backend, "client_loop": loop_name,
                                      "client_loop_class": report["loop"], **r})
-                        say(f"  c={r['concurrency']:<4} {r['requests_per_s']:8.0f} req/s, Transfer p50 "
-                            f"{r['transfer_ms']['p50']} ms, p99 {r['transfer_ms']['p99']} ms, "
-                            f"errors {r['errors']}")
+                        say(f"  {r['flow']:8} c={r['concurrency']:<4} {r['requests_per_s']:8.0f} req/s, "
+                            f"Transfer p50 {r['transfer_ms']['p50']} ms ({r.get('transfer_p50_vs_floor')}x "
+                            f"the floor), p99 {r['transfer_ms']['p99']} ms, errors {r['errors']}")
             finally:
                 for client, engine_id in ((side.p_client, engines[0]), (side.d_client, engines[1])):
                     await client.unregister_engine(engine_id, timeout=60)
@@ -308,13 +386,27 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
         "engine": {"layers": BENCH_CONTROL.layers, "layer_buffers": len(placements),
                    "page_bytes": BENCH_CONTROL.request_bytes(1), "components": ["MAIN_KV", "MINIMAX_INDEX_K"]},
         "request": "ExpectTransfer on the decode broker, then Transfer of 1 page on the prefill broker",
+        "flows": {"claimed": "ExpectTransfer(components, dst_page_ids); Transfer(peer_address, remote_engine_id, "
+                             "src_page_ids): the sender claims the grant (ClaimGrant), writes, CompleteTransfer",
+                  "offered": "ExpectTransfer(pages, sender_address, sender_engine_id) offers the grant to the "
+                             "prefill broker before it returns; Transfer(pages, last) writes one part and sends "
+                             "one NotifyParts notice (batched per peer)"},
+        "timing": {"transfer_ms": "the prefill server's Transfer call, to its return (the critical path); "
+                                  "the offer is made before it, outside this figure",
+                   "grant_ms": "the decode server's ExpectTransfer (offered: with the offer delivered)",
+                   "request_ms": "grant + Transfer, one request's whole time",
+                   "requests_per_s": "whole requests (grant + Transfer) completed in the window per second",
+                   "order": "per concurrency level: floor, claimed, offered, each its own window"},
+        "notify": "offered rows: the prefill broker's NotifyParts calls and notices in the window "
+                  "(kvbroker_peer_notify_calls_total, kvbroker_peer_part_notices_total)",
         "varied": "the client's event loop (uvloop or asyncio's default), in its own process; "
                   "both brokers always run uvloop (kvbroker serve)",
         "cpu": "cpu_ms_per_request: CPU time each process spent in the window / requests completed in it; "
                "machine_busy_cores: busy time of all CPUs / window (equal to the CPU count when saturated)",
         "runs": runs,
         "rpc_floor": floor,
-        "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer",
+        "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer; "
+                        "measured at every concurrency level, just before that level's flows",
     }
 
 
@@ -515,6 +607,7 @@ async def _bench(args: argparse.Namespace) -> int:
     print(render(report), file=table_out, flush=True)
     if args.json:
         print(text, flush=True)
-    unverified = [c for c in report.get("data_plane", {}).get("cases", []) if not c["verified"]]
+    data = report.get("data_plane", {})
+    unverified = [c for c in data.get("cases", []) + data.get("parts", {}).get("cases", []) if not c["verified"]]
     return 1 if report["errors"] or unverified else 0
 

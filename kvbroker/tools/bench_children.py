@@ -3,9 +3,13 @@
 A child runs as `python -m kvbroker.tools.bench_children direct BACKEND | control CONFIG` and speaks
 JSON lines on stdout (whatever a library prints goes to stderr):
 - `direct`: the engine without a broker, two Backend instances driven by the parent over stdin
-  (`setup`, `plan`, `write`, `teardown`), one sender and one receiver or both in one process;
-- `control`: grant + one-page Transfer in a loop from concurrent workers on one event loop (uvloop
-  or asyncio's), with the CPU each broker and the client spent; answers once, with its report.
+  (`setup`, `plan`, `plan_parts`, `write`, `teardown`), one sender and one receiver or both in one
+  process;
+- `control`: per concurrency level, side by side, the one-RPC floor (GetBrokerInfo) and one-page
+  requests of both flows (claimed: grant, then a Transfer that names the peer; offered: grant
+  offered to the prefill broker, then one part) in a loop from concurrent workers on one event
+  loop (uvloop or asyncio's), with the CPU each broker and the client spent and the prefill
+  broker's NotifyParts calls and notices; answers once, with its report.
 Called by bench.py's sections only.
 """
 
@@ -165,9 +169,15 @@ async def _direct_child(backend: str) -> None:
                 state["descriptors"] = build_descriptors(runs, state["src"], state["dst"])
                 answer = {"plan_s": time.perf_counter() - started, "runs": runs.count,
                           "descriptors": state["descriptors"].count, "bytes": state["descriptors"].nbytes}
+            elif op == "plan_parts":  # the planned request cut into parts: [a, b) of its page lists each
+                src, dst = np.asarray(command["src_ids"]), np.asarray(command["dst_ids"])
+                state["parts"] = [build_descriptors(plan_runs(src[a:b], dst[a:b]), state["src"], state["dst"])
+                                  for a, b in zip(command["bounds"][:-1], command["bounds"][1:])]
+                answer = {"descriptors": sum(d.count for d in state["parts"])}
             elif op == "write":
                 started = time.perf_counter()
-                await sender.write(state["peer"], state["descriptors"], timeout=command["timeout"])
+                for descriptors in state["parts"] if command.get("parts") else [state["descriptors"]]:
+                    await sender.write(state["peer"], descriptors, timeout=command["timeout"])
                 answer = {"seconds": time.perf_counter() - started}
             elif op == "teardown":
                 for backend_, handle in state.pop("handles"):
@@ -185,36 +195,67 @@ async def _direct_child(backend: str) -> None:
     os._exit(0)  # NIXL's UCX teardown may crash at interpreter exit; nothing is left to release
 
 
+FLOWS = ("claimed", "offered")  # the old flow (Transfer names the peer, claims the grant), and the new one
+
+
 @dataclass
 class Window:
-    """What the control-plane workers saw of one concurrency level; only requests ending inside count."""
+    """What the control-plane workers saw of one window; only requests ending inside count."""
 
     begin: float
     end: float
-    transfer_s: list[float] = dataclasses.field(default_factory=list)
-    grant_s: list[float] = dataclasses.field(default_factory=list)
+    transfer_s: list[float] = dataclasses.field(default_factory=list)  # the Transfer call (the floor: its RPC)
+    grant_s: list[float] = dataclasses.field(default_factory=list)  # ExpectTransfer (offered: with the offer)
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
-async def _control_worker(config: dict, prefill, decode, window: Window, concurrency: int, w: int) -> None:
+async def _claimed(config: dict, prefill, decode, rid: str, page: int) -> tuple[float, float]:
+    """ExpectTransfer, then the old flow's Transfer (it names the peer and claims the grant); the
+    seconds of each."""
+    t0 = time.perf_counter()
+    await decode.expect_transfer(config["decode_engine"], rid, [page], components=ALL, expiry_s=60)
+    t1 = time.perf_counter()
+    await prefill.transfer(config["prefill_engine"], rid, config["peer"], config["decode_engine"], [page],
+                           components=ALL)
+    return t1 - t0, time.perf_counter() - t1
+
+
+async def _offered(config: dict, prefill, decode, rid: str, page: int) -> tuple[float, float]:
+    """ExpectTransfer naming the sender (the grant is offered to the prefill broker before it returns,
+    as a decode server does it while prefill still computes), then one part, the last, of one page;
+    the seconds of each."""
+    pages = {c: [page] for c in ALL}
+    t0 = time.perf_counter()
+    await decode.expect_transfer(config["decode_engine"], rid, pages=pages, sender_address=config["prefill_peer"],
+                                 sender_engine_id=config["prefill_engine"], expiry_s=60)
+    t1 = time.perf_counter()
+    status = await prefill.transfer_part(config["prefill_engine"], rid, pages, last=True)
+    t2 = time.perf_counter()
+    if status.state.name != "SUCCEEDED" or status.parts != 1:
+        raise RuntimeError(f"the part ended {status.state.name} after {status.parts} parts")
+    return t1 - t0, t2 - t1
+
+
+REQUESTS = {"claimed": _claimed, "offered": _offered}
+
+
+async def _control_worker(config: dict, flow: str, prefill, decode, window: Window, concurrency: int,
+                          w: int) -> None:
+    """One request of `flow` after another, each on page `w` of both engines."""
     loop = asyncio.get_running_loop()
+    request = REQUESTS[flow]
     i = 0
     while loop.time() < window.end and len(window.errors) <= 100:
-        rid = f"cp-{config['tag']}-{concurrency}-{w}-{i}"
+        rid = f"cp-{config['tag']}-{flow}-{concurrency}-{w}-{i}"
         i += 1
         try:
-            t0 = time.perf_counter()
-            await decode.expect_transfer(config["decode_engine"], rid, [w], components=ALL, expiry_s=60)
-            t1 = time.perf_counter()
-            await prefill.transfer(config["prefill_engine"], rid, config["peer"], config["decode_engine"],
-                                   [w], components=ALL)
-            t2 = time.perf_counter()
+            grant_s, transfer_s = await request(config, prefill, decode, rid, w)
         except Exception as exc:  # counted and reported; the run goes on
             window.errors.append(f"{type(exc).__name__}: {exc}")
             continue
         if window.begin <= loop.time() <= window.end:
-            window.grant_s.append(t1 - t0)
-            window.transfer_s.append(t2 - t1)
+            window.grant_s.append(grant_s)
+            window.transfer_s.append(transfer_s)
 
 
 async def _floor_worker(client, window: Window) -> None:
@@ -228,7 +269,8 @@ async def _floor_worker(client, window: Window) -> None:
 
 
 async def _control_child(config: dict) -> dict:
-    """Grant + one-page Transfer in a loop from `c` concurrent workers, for each concurrency."""
+    """Per concurrency level, side by side: the floor (bare GetBrokerInfo), the claimed flow and the
+    offered flow, each a window of `seconds` after `warmup_s`; then each flow against the floor."""
     from kvbroker_client.client import BrokerClient
 
     loop = asyncio.get_running_loop()
@@ -239,24 +281,6 @@ async def _control_child(config: dict) -> dict:
         for concurrency in config["concurrency"]:
             begin = loop.time() + config["warmup_s"]
             window = Window(begin, begin + config["seconds"])
-            cpu, _ = await asyncio.gather(
-                _cpu_over(window, config["broker_pids"]),
-                asyncio.gather(*(_control_worker(config, prefill, decode, window, concurrency, w)
-                                 for w in range(concurrency))))
-            requests = len(window.transfer_s)
-            results.append({
-                "concurrency": concurrency, "requests": requests, "seconds": config["seconds"],
-                "requests_per_s": requests / config["seconds"],
-                "transfer_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
-                "grant_ms": _percentiles(np.asarray(window.grant_s) * 1e3),
-                "errors": len(window.errors), "first_error": window.errors[0] if window.errors else "",
-                "cpu_ms_per_request": {k: round(v * 1e3 / max(requests, 1), 4) for k, v in cpu.items()
-                                       if k != "machine_busy_cores"},
-                "machine_busy_cores": round(cpu["machine_busy_cores"], 2),
-            })
-        for concurrency in sorted({1, max(config["concurrency"])}):
-            begin = loop.time() + config["warmup_s"]
-            window = Window(begin, begin + config["seconds"])
             cpu, _ = await asyncio.gather(_cpu_over(window, {"broker": config["broker_pids"]["prefill_broker"]}),
                                           asyncio.gather(*(_floor_worker(prefill, window)
                                                            for _ in range(concurrency))))
@@ -265,10 +289,56 @@ async def _control_child(config: dict) -> dict:
                           "call_ms": _percentiles(np.asarray(window.transfer_s) * 1e3),
                           "cpu_ms_per_call": {k: round(v * 1e3 / max(calls, 1), 4) for k, v in cpu.items()
                                               if k != "machine_busy_cores"}})
+            for flow in FLOWS:
+                begin = loop.time() + config["warmup_s"]
+                window = Window(begin, begin + config["seconds"])
+                cpu, _ = await asyncio.gather(
+                    _cpu_over(window, config["broker_pids"], config.get("prefill_metrics", "")),
+                    asyncio.gather(*(_control_worker(config, flow, prefill, decode, window, concurrency, w)
+                                     for w in range(concurrency))))
+                results.append(_flow_row(flow, concurrency, config["seconds"], window, cpu))
     finally:
         await prefill.close()
         await decode.close()
+    _against(results, floor)
     return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor}
+
+
+def _flow_row(flow: str, concurrency: int, seconds: float, window: Window, cpu: dict) -> dict:
+    requests = len(window.transfer_s)
+    transfer, grant = np.asarray(window.transfer_s), np.asarray(window.grant_s)
+    notices = cpu.pop("notices", None)
+    row = {
+        "flow": flow, "concurrency": concurrency, "requests": requests, "seconds": seconds,
+        "requests_per_s": requests / seconds,
+        "transfer_ms": _percentiles(transfer * 1e3),
+        "grant_ms": _percentiles(grant * 1e3),
+        "request_ms": _percentiles((grant + transfer) * 1e3),
+        "errors": len(window.errors), "first_error": window.errors[0] if window.errors else "",
+        "cpu_ms_per_request": {k: round(v * 1e3 / max(requests, 1), 4) for k, v in cpu.items()
+                               if k != "machine_busy_cores"},
+        "machine_busy_cores": round(cpu["machine_busy_cores"], 2),
+    }
+    if flow == "offered" and notices is not None:
+        row["notify"] = {**notices, "notices_per_call": round(notices["notices"] / notices["calls"], 3)
+                         if notices["calls"] else None}
+    return row
+
+
+def _against(results: list[dict], floor: list[dict]) -> None:
+    """Each flow's row against the floor at its concurrency, and the offered flow against the claimed."""
+    floors = {f["concurrency"]: f for f in floor}
+    claimed = {r["concurrency"]: r for r in results if r["flow"] == "claimed"}
+    for r in results:
+        f = floors.get(r["concurrency"])
+        if f is not None and f["call_ms"]["p50"] and r["transfer_ms"]["p50"] is not None:
+            r["transfer_p50_vs_floor"] = round(r["transfer_ms"]["p50"] / f["call_ms"]["p50"], 3)
+            r["request_p50_vs_floor"] = round(r["request_ms"]["p50"] / f["call_ms"]["p50"], 3)
+        if f is not None and f["calls_per_s"]:
+            r["requests_per_s_vs_floor"] = round(r["requests_per_s"] / f["calls_per_s"], 4)
+        old = claimed.get(r["concurrency"])
+        if r["flow"] == "offered" and old is not None and old["requests_per_s"]:
+            r["requests_per_s_vs_claimed"] = round(r["requests_per_s"] / old["requests_per_s"], 3)
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -281,8 +351,24 @@ def _machine_busy_s() -> float:
     return (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
-async def _cpu_over(window: Window, broker_pids: dict[str, int]) -> dict[str, float]:
-    """CPU-seconds each broker and this client spent inside the window, and the machine's busy cores."""
+NOTIFY_COUNTERS = {"calls": "kvbroker_peer_notify_calls_total", "notices": "kvbroker_peer_part_notices_total"}
+
+
+def _notify_counters(metrics_listen: str) -> dict[str, float]:
+    """The sender broker's NotifyParts calls and part notices so far, from its /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{metrics_listen}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return {key: samples.get(name, 0.0) for key, name in NOTIFY_COUNTERS.items()}
+
+
+async def _cpu_over(window: Window, broker_pids: dict[str, int], metrics_listen: str = "") -> dict:
+    """CPU-seconds each broker and this client spent inside the window, and the machine's busy cores;
+    with `metrics_listen` (the sender broker's), the NotifyParts calls and notices it made in it."""
     loop = asyncio.get_running_loop()
 
     def sample() -> dict[str, float]:
@@ -291,10 +377,14 @@ async def _cpu_over(window: Window, broker_pids: dict[str, int]) -> dict[str, fl
 
     await asyncio.sleep(max(0.0, window.begin - loop.time()))
     first = sample()
+    counted = await asyncio.to_thread(_notify_counters, metrics_listen) if metrics_listen else None
     await asyncio.sleep(max(0.0, window.end - loop.time()))
     last = sample()
-    spent = {k: last[k] - first[k] for k in first}
+    spent: dict = {k: last[k] - first[k] for k in first}
     spent["machine_busy_cores"] = spent.pop("machine") / (window.end - window.begin)
+    if counted is not None:
+        now = await asyncio.to_thread(_notify_counters, metrics_listen)
+        spent["notices"] = {k: int(now[k] - counted[k]) for k in counted}
     return spent
 
 

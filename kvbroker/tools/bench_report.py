@@ -35,6 +35,8 @@ TARGETS = {
     "runs16": Target("runs16", "runs-of-16 >= 0.8 x contiguous (>= 64 MiB)", 0.8),
     "p50": Target("p50", "one-page Transfer p50 <= 1 ms", 1.0, higher_is_better=False),
     "rps": Target("rps", ">= 2000 req/s at concurrency 128", 2000.0),
+    "p50_floor": Target("p50_floor", "one-part one-page Transfer p50 <= 2x floor", 2.0, higher_is_better=False),
+    "rps_claimed": Target("rps_claimed", "offered req/s >= 2x claimed at conc 128", 2.0),
     "planner": Target("planner", "planner >= 50M page ids/s at 10^7", 50e6),
 }
 RATIO_FROM_MIB = 64
@@ -73,13 +75,24 @@ def judge(report: dict) -> list[dict]:
                     if fractions else "no size >= 64 MiB in this run")
     control = report.get("control_plane")
     if control:
+        floors = {(f["backend"], f["client_loop"], f["concurrency"]): f for f in control["rpc_floor"]}
         for r in control["runs"]:
-            subject = f"{r['backend']} client {r['client_loop']}"
+            flow = r.get("flow", "claimed")
+            subject = f"{r['backend']} {flow} client {r['client_loop']}"
+            floor = floors.get((r["backend"], r["client_loop"], r["concurrency"]))
             if r["concurrency"] == 1:
                 add(TARGETS["p50"], subject, r["transfer_ms"]["p50"], f"p99 {r['transfer_ms']['p99']} ms")
+                if flow == "offered":
+                    add(TARGETS["p50_floor"], subject, r.get("transfer_p50_vs_floor"),
+                        f"Transfer p50 {r['transfer_ms']['p50']} ms, floor p50 "
+                        f"{floor and floor['call_ms']['p50']} ms; offer + part p50 {r['request_ms']['p50']} ms")
             if r["concurrency"] == 128:
                 add(TARGETS["rps"], subject, r["requests_per_s"],
                     f"Transfer p50 {r['transfer_ms']['p50']} ms at concurrency 128")
+                if flow == "offered":
+                    notify = r.get("notify") or {}
+                    add(TARGETS["rps_claimed"], subject, r.get("requests_per_s_vs_claimed"),
+                        f"{r['requests_per_s']:.0f} req/s; {notify.get('notices_per_call')} notices per NotifyParts")
     plans = report.get("planner")
     if plans:
         for row in plans["rows"]:
@@ -133,6 +146,10 @@ def _millions(row: dict, key: str) -> str:
     return f"{row[key] / 1e6:.1f}" if key in row else "-"
 
 
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
 def _render_data(data: dict) -> list[str]:
     s = data["shape"]
     lines = ["", (f"Data plane: {s['layers']} layers, page_size {s['page_size_tokens']} tokens, "
@@ -159,33 +176,69 @@ def _render_data(data: dict) -> list[str]:
                      f"{c.get('direct2_gbps', float('nan')):>8.2f}{memcpy.get(c['size_mib'], 0):>8.2f}  {ratio:19}"
                      f"{c.get('ratio_vs_direct2', float('nan')):>9.3f}  {frac:28}"
                      f"{'' if c['verified'] else 'NOT VERIFIED'}")
+    parts = data.get("parts") or {}
+    if parts.get("cases"):
+        n = parts["parts"]
+        lines += ["", (f"Parts: the {_fmt_size(parts['size_mib'])} request above by the offered flow, as 1 part and as "
+                       f"{n} parts one after another (same engines, same page lists); GB/s, median; claimed: the "
+                       f"broker column above; engine: the same writes by the engine alone, two processes"),
+                  (f"{'backend':9}{'size':>8}{'pages':>7} {'pattern':11}{'claimed':>8}{'1 part':>8}{f'{n} parts':>9}"
+                   f"{f'{n}/1':>7}{'ms/part':>9}{'engine 1':>9}{f'engine {n}':>9}{'ms/part':>9}  (ms/part: the time "
+                   f"each extra part adds)")]
+        for c in parts["cases"]:
+            lines.append(f"{c['backend']:9}{_fmt_size(c['size_mib']):>8}{c['pages']:>7} {c['pattern']:11}"
+                         f"{_nan(c.get('claimed_gbps')):>8.2f}{c['one_part_gbps']:>8.2f}{c['parts_gbps']:>9.2f}"
+                         f"{c['parts_vs_one']:>7.3f}{c['extra_ms_per_part']:>9.2f}"
+                         f"{_nan(c.get('direct2_one_gbps')):>9.2f}{_nan(c.get('direct2_parts_gbps')):>9.2f}"
+                         f"{_nan(c.get('direct2_extra_ms_per_part')):>9.2f}"
+                         f"{'' if c['verified'] else '  NOT VERIFIED'}")
     return lines
 
 
 def _render_control(control: dict) -> list[str]:
     engine = control["engine"]
     lines = ["", (f"Control plane: grant + one-page Transfer ({engine['page_bytes'] // 1024} KiB over "
-                  f"{engine['layer_buffers']} layer buffers); varied: the client's loop; brokers on uvloop"),
-             (f"{'backend':9}{'client':9}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'errors':>7}"
+                  f"{engine['layer_buffers']} layer buffers), claimed and offered flow side by side, each against "
+                  f"the floor (one bare GetBrokerInfo) of its concurrency; varied: the client's loop; brokers on "
+                  f"uvloop"),
+             "  p50, p99: the Transfer call (offered: the part; its offer was made before, outside the clock); "
+             "req p50: grant + Transfer; x floor: Transfer p50 / floor p50; vs claimed: req/s over the claimed "
+             "flow's; notices/call: per NotifyParts",
+             (f"{'backend':9}{'client':9}{'flow':9}{'conc':>5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+              f"{'req p50':>9}{'x floor':>8}{'vs claimed':>11}{'notices/call':>13}{'errors':>7}"
               f"{'cpu ms/req P+D+client':>23}{'busy cores':>11}  target")]
+    floors = {(f["backend"], f["client_loop"], f["concurrency"]): f for f in control.get("rpc_floor", [])}
+    shown = set()
     for r in control["runs"]:
-        target = ""
+        key = (r["backend"], r["client_loop"], r["concurrency"])
+        f = floors.get(key)
+        if f is not None and key not in shown:
+            shown.add(key)
+            cpu = f"{f['cpu_ms_per_call'].get('broker', 0):.2f}+{f['cpu_ms_per_call'].get('client', 0):.2f}"
+            lines.append(f"{f['backend']:9}{f['client_loop']:9}{'floor':9}{f['concurrency']:>5}{f['calls_per_s']:>9.0f}"
+                         f"{_nan(f['call_ms']['p50']):>9.3f}{_nan(f['call_ms']['p99']):>9.3f}{'':>9}{'':>8}{'':>11}"
+                         f"{'':>13}{'':>7}{cpu + '  ':>23}{'':>11}  one GetBrokerInfo (cpu: broker+client)")
+        flow = r.get("flow", "claimed")
+        targets = []
         if r["concurrency"] == 1:
-            target = f"p50 {_mark(TARGETS['p50'].met(r['transfer_ms']['p50']))} <=1 ms"
+            targets.append(f"p50 {_mark(TARGETS['p50'].met(r['transfer_ms']['p50']))} <=1 ms")
+            if flow == "offered":
+                targets.append(f"{_mark(TARGETS['p50_floor'].met(r.get('transfer_p50_vs_floor')))} <=2x floor")
         elif r["concurrency"] == 128:
-            target = f"req/s {_mark(TARGETS['rps'].met(r['requests_per_s']))} >=2000"
-        p50, p99 = (float("nan") if r["transfer_ms"][k] is None else r["transfer_ms"][k]
-                    for k in ("p50", "p99"))
+            targets.append(f"req/s {_mark(TARGETS['rps'].met(r['requests_per_s']))} >=2000")
+            if flow == "offered":
+                targets.append(f"{_mark(TARGETS['rps_claimed'].met(r.get('requests_per_s_vs_claimed')))} "
+                               f">=2x claimed")
         cpu = r.get("cpu_ms_per_request", {})
         split = "+".join(f"{cpu.get(k, float('nan')):.2f}" for k in ("prefill_broker", "decode_broker", "client"))
-        lines.append(f"{r['backend']:9}{r['client_loop']:9}{r['concurrency']:>5}{r['requests_per_s']:>9.0f}"
-                     f"{p50:>9.3f}{p99:>9.3f}{r['errors']:>7}{split:>23}{r.get('machine_busy_cores', 0):>11.2f}"
-                     f"  {target}")
-    for f in control.get("rpc_floor", []):
-        cpu = f"{f['cpu_ms_per_call'].get('broker', 0):.2f}+{f['cpu_ms_per_call'].get('client', 0):.2f}"
-        lines.append(f"{f['backend']:9}{f['client_loop']:9}{f['concurrency']:>5}{f['calls_per_s']:>9.0f}"
-                     f"{f['call_ms']['p50'] or float('nan'):>9.3f}{f['call_ms']['p99'] or float('nan'):>9.3f}"
-                     f"{'':>7}{cpu + '  ':>23}{'':>11}  floor: one GetBrokerInfo (broker+client cpu)")
+        vs_claimed = r.get("requests_per_s_vs_claimed")
+        per_call = (r.get("notify") or {}).get("notices_per_call")
+        lines.append(f"{r['backend']:9}{r['client_loop']:9}{flow:9}{r['concurrency']:>5}{r['requests_per_s']:>9.0f}"
+                     f"{_nan(r['transfer_ms']['p50']):>9.3f}{_nan(r['transfer_ms']['p99']):>9.3f}"
+                     f"{_nan(r.get('request_ms', {}).get('p50')):>9.3f}{_nan(r.get('transfer_p50_vs_floor')):>8.2f}"
+                     f"{'' if vs_claimed is None else f'{vs_claimed:.2f}':>11}"
+                     f"{'' if per_call is None else f'{per_call:.2f}':>13}{r['errors']:>7}{split:>23}"
+                     f"{r.get('machine_busy_cores', 0):>11.2f}  {', '.join(targets)}")
     return lines
 
 

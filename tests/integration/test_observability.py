@@ -117,6 +117,24 @@ async def test_metrics_count_a_transfer_on_both_sides(observed, engines, request
     assert delta(before[0], after[0], "kvbroker_peer_epoch_changes_total") == 0
 
 
+async def test_metrics_count_each_part_notice_and_the_notify_call_that_carried_it(observed, engines, request_id):
+    src = await engines.make(observed.prefill, "prefill")
+    dst = await engines.make(observed.decode, "decode", fill="canary")
+    before = await scrape(observed.prefill)
+    await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=dst.engine_id, expiry_ms=30_000,
+        pages=[pb.ComponentPages(component=pb.COMPONENT_MAIN_KV, page_ids=[10, 11, 12, 13])],
+        sender_address=observed.prefill.peer_address, sender_engine_id=src.engine_id), timeout=10)
+    for offset, last in ((0, False), (2, True)):
+        await src.stub.Transfer(bpb.TransferRequest(
+            request_id=request_id, engine_id=src.engine_id, more_parts=not last,
+            pages=[bpb.PartPages(component=pb.COMPONENT_MAIN_KV, src_page_ids=[offset, offset + 1],
+                                 dst_offset=offset)]), timeout=30)
+    after = await scrape(observed.prefill)
+    assert delta(before, after, "kvbroker_peer_part_notices_total") == 2  # one per part, sent in turn
+    assert delta(before, after, "kvbroker_peer_notify_calls_total") == 2
+
+
 async def test_metrics_count_a_refused_transfer_by_its_code_on_both_sides(observed, engines, request_id):
     src = await engines.make(observed.prefill, "prefill", pp_size=2, pp_rank=0)
     dst = await engines.make(observed.decode, "decode", fill="canary")

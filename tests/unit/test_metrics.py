@@ -118,6 +118,14 @@ def test_handshakes_and_epoch_changes_are_counted():
     assert value(metrics, "kvbroker_peer_epoch_changes_total") == 1
 
 
+def test_notify_calls_and_the_part_notices_they_carry_are_counted():
+    metrics = Metrics()
+    metrics.peer_notify(1)
+    metrics.peer_notify(5)
+    assert value(metrics, "kvbroker_peer_notify_calls_total") == 2
+    assert value(metrics, "kvbroker_peer_part_notices_total") == 6
+
+
 def test_two_brokers_in_one_process_keep_separate_metrics():
     first, second = Metrics(), Metrics()
     first.peer_handshake(epoch_changed=False)
