@@ -71,7 +71,7 @@ class Settings:
     engine_prefix: str = ""  # KVBROKER_ENGINE_PREFIX: engine ids are "<prefix>/<mode>/dp<d>-tp<t>-pp<p>"
     connect_timeout_s: float = 30.0  # KVBROKER_CONNECT_TIMEOUT_S: startup: connect and register
     call_timeout_s: float = 30.0  # KVBROKER_CALL_TIMEOUT_S: one offer, part or cancel
-    grant_expiry_s: float | None = None  # KVBROKER_GRANT_EXPIRY_S: unset takes the broker's default
+    grant_expiry_s: float | None = None  # KVBROKER_GRANT_EXPIRY_S: unset: SGLang's own wait (waiting_timeout)
     watch_timeout_s: float = 600.0  # one WatchTransfer stream; watched again while the request lives
 
     @classmethod
@@ -185,6 +185,14 @@ class KvbrokerKVManager(CommonKVManager):
         log.info("kvbroker: engine %s registered with the broker at %s (peer address %s): %s", self.engine_id,
                  self.settings.address, self.broker_address,
                  ", ".join(f"{c.component.name} {len(c.layer_buffers)} buffers" for c in components))
+
+    @property
+    def grant_expiry_s(self) -> float:
+        """Decode's grants live as long as SGLang waits for their transfer (SGLANG_DISAGGREGATION_WAITING_TIMEOUT,
+        300 s), not the broker's shorter default: a request may wait in prefill's queue that long."""
+        if self.settings.grant_expiry_s is not None:
+            return self.settings.grant_expiry_s
+        return float(self.waiting_timeout)
 
     def _check_aux_on_host(self, exporter: MemoryExporter) -> None:
         driver = exporter._cuda
@@ -454,7 +462,7 @@ class KvbrokerKVManager(CommonKVManager):
         # already); it waits for the call to end, then cancels what the call made.
         state.offering = asyncio.ensure_future(self.client.expect_transfer(
             self.engine_id, str(room), pages=pages, sender_address=target["kvbroker_address"],
-            sender_engine_id=target["kvbroker_engine_id"], expiry_s=self.settings.grant_expiry_s,
+            sender_engine_id=target["kvbroker_engine_id"], expiry_s=self.grant_expiry_s,
             timeout=self.settings.call_timeout_s))
         state.offering.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
         try:
