@@ -21,7 +21,13 @@ from kvbroker.tools.launch import BrokerProcess, start_broker  # noqa: E402
 from tests.sglang import ranks  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-BROKER_FLAGS = ("--backend", "nixl", "--log-level", "WARNING")
+
+
+def broker_flags(backend: str = "nixl") -> tuple[str, ...]:
+    return ("--backend", backend, "--log-level", "WARNING")
+
+
+BROKER_FLAGS = broker_flags()
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +45,15 @@ def sglang_process() -> Iterator[ranks.SGLangProcess]:
 async def broker_pair() -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
     prefill, decode = await asyncio.gather(start_broker("sglang-prefill", *BROKER_FLAGS),
                                            start_broker("sglang-decode", *BROKER_FLAGS))
+    yield prefill, decode
+    await asyncio.gather(prefill.stop(), decode.stop())
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine_brokers(backend: str) -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
+    """A prefill and a decode broker on each transfer engine (tests/conftest.py's `backend`)."""
+    prefill, decode = await asyncio.gather(start_broker(f"sglang-prefill-{backend}", *broker_flags(backend)),
+                                           start_broker(f"sglang-decode-{backend}", *broker_flags(backend)))
     yield prefill, decode
     await asyncio.gather(prefill.stop(), decode.stop())
 
