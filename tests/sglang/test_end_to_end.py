@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from kvbroker.tools.launch import start_broker
+from kvbroker_client import BrokerClient, Component
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender, KvbrokerTransferError
 from tests.sglang import ranks
 from tests.sglang.conftest import broker_flags
@@ -232,6 +233,13 @@ async def test_a_chunked_request_lands_every_byte_and_the_aux_row(sglang_ranks, 
         if theirs is not None:
             assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
     assert int(pair.decode_rank.metadata.bootstrap_room[DECODE_AUX, 0]) == request.room  # decode's room check
+    for broker, manager in ((decode_broker, pair.decode), (prefill_broker, pair.prefill)):
+        async with await BrokerClient.connect(broker.listen) as client:  # the broker's own record of it
+            final = await client.wait(manager.engine_id, str(request.room), timeout=10)
+        assert final.parts == len(CHUNKS)  # each send() one part
+        # main KV 8 pages in the 3 parts; with the last, the index-K suffix (8) and the dense KV (10)
+        assert final.pages == (PAGES - PREFIX_PAGES) * 2 + PAGES and final.truncated_pages == 0
+        assert set(final.components) == {Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV}
     sender.side.clear(), receiver.side.clear()
     assert request.room not in pair.prefill._rooms and request.room not in pair.decode._rooms
 
