@@ -297,6 +297,32 @@ async def test_a_decode_abort_mid_request_fails_both_sides_and_nothing_lands_aft
     assert_decode_bytes(pair, expected_decode(pair, request, before, 1))
 
 
+async def test_a_receiver_cleared_mid_request_cancels_its_grant_before_its_pages_go(sglang_ranks, engine_brokers):
+    """SGLang clears receivers only once they ended; one cleared earlier must not leave its grant
+    writable on the broker (until its expiry) while SGLang reuses the pages."""
+    prefill_broker, decode_broker = engine_brokers
+    pair = await make_pair(sglang_ranks, prefill_broker.listen, decode_broker.listen)
+    request = new_request(6)
+    before = snapshot(pair)
+
+    def run():
+        sender, receiver = start(pair, request)
+        sender.side.init(PAGES - PREFIX_PAGES, PREFILL_AUX)
+        send_chunk(pair, sender, request, 0)
+        first_chunk_lands(sender, receiver)
+        state = pair.decode._rooms[request.room]
+        receiver.side.clear()
+        state.cancel.result(timeout=POLL_TIMEOUT_S)  # the broker answered: no write into the grant runs
+        send_chunk(pair, sender, request, 1)
+        send_chunk(pair, sender, request, 2)
+        return sender.until(*_polls("Failed")), sender
+
+    _, sender = await asyncio.to_thread(run)
+    error = failure(sender)
+    assert error.code is grpc.StatusCode.CANCELLED and "SGLang cleared the request" in error.failure_reason
+    assert_decode_bytes(pair, expected_decode(pair, request, before, 1))
+
+
 async def test_a_decode_broker_restart_mid_request_fails_both_sides_with_the_brokers_reason(sglang_ranks, backend):
     flags = broker_flags(backend)
     prefill_broker = await start_broker(f"sglang-restart-prefill-{backend}", *flags)

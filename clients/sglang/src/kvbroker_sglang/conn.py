@@ -320,6 +320,12 @@ class KvbrokerKVManager(CommonKVManager):
             state.cancel = self.loop.spawn(cancel(), name=f"cancel {room}")
             state.cancel.add_done_callback(lambda _: self._cancelled(room))
 
+    def cancel_unfinished(self, room: int) -> None:
+        """SGLang clears a room it no longer follows: one that has not ended must not stay writable
+        on the broker until its grant expires."""
+        if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
+            self.cancel_room(room, "SGLang cleared the request before its transfer ended")
+
     def _cancelled(self, room: int) -> None:
         state = self._rooms.get(room)
         if state is not None and state.cleared:
@@ -566,6 +572,7 @@ class KvbrokerKVSender(CommonKVSender):
         super().abort()
 
     def clear(self) -> None:
+        self.kv_mgr.cancel_unfinished(self.bootstrap_room)
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
 
@@ -633,6 +640,7 @@ class KvbrokerKVReceiver(CommonKVReceiver):
                                                   for rank in range(count)])
 
     def clear(self) -> None:
+        self.kv_mgr.cancel_unfinished(self.bootstrap_room)
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
 
