@@ -244,6 +244,48 @@ async def test_a_chunked_request_lands_every_byte_and_the_aux_row(sglang_ranks, 
     assert request.room not in pair.prefill._rooms and request.room not in pair.decode._rooms
 
 
+async def test_a_zero_page_last_chunk_still_lands_the_states_and_the_aux(sglang_ranks, engine_brokers):
+    """SGLang's sender lifecycle test (zero-KV final chunk, `init(0)`): decode's prefix holds every page
+    of the main KV and the index K, so its grant is the dense KV alone, and prefill's one send() has no
+    pages but still carries the dense KV and the aux row."""
+    from sglang.srt.disaggregation.minimax import minimax_index_transfer_pages
+
+    prefill_broker, decode_broker = engine_brokers
+    pair = await make_pair(sglang_ranks, prefill_broker.listen, decode_broker.listen)
+    request = new_request(7)
+    before = snapshot(pair)
+    prefix = PAGES * ranks.PAGE_SIZE
+
+    def run():
+        sender = Watched(KvbrokerKVSender(pair.prefill, pair.bootstrap, request.room))
+        receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, request.room))
+        receiver.side.init(0)
+        receiver.until(*_polls("WaitingForInput"))
+        index = minimax_index_transfer_pages(request.token_indices(request.decode_pages), page_size=ranks.PAGE_SIZE,
+                                             prefix_len=prefix)
+        assert len(index) == 0
+        receiver.side.send_metadata(np.array([], dtype=np.int32), DECODE_AUX,
+                                    [index, request.decode_pages.astype(np.int32)], decode_prefix_len=prefix)
+        sender.until(*_polls("WaitingForInput"))
+        sender.side.init(0, PREFILL_AUX)
+        fill_prefill_aux(pair, request.room)
+        assert sender.side.should_send_kv_chunk(0, last_chunk=True)
+        sender.side.send(np.array([], dtype=np.int32), [index, request.prefill_pages.astype(np.int32)])
+        return sender.until(*_polls("Success", "Failed")), receiver.until(*_polls("Success", "Failed")), receiver
+
+    sent, received, receiver = await asyncio.to_thread(run)
+    assert (sent, received) == tuple(_polls("Success", "Success"))
+    expected = {name: [b.copy() for b in buffers] for name, buffers in before.items()}
+    rows = ranks.page_bytes(pair.prefill_rank.pool, "MINIMAX_DENSE_KV", request.prefill_pages)
+    for buffer, src in zip(expected["MINIMAX_DENSE_KV"], rows):
+        buffer.reshape(-1, src.shape[1])[request.decode_pages] = src
+    assert_decode_bytes(pair, expected)  # the main KV and the index K untouched: decode's prefix holds them
+    assert int(pair.decode_rank.metadata.bootstrap_room[DECODE_AUX, 0]) == request.room
+    async with await BrokerClient.connect(decode_broker.listen) as client:
+        final = await client.wait(pair.decode.engine_id, str(request.room), timeout=10)
+    assert (final.parts, final.pages, final.components) == (1, PAGES, (Component.MINIMAX_DENSE_KV,))
+
+
 async def test_a_prefill_abort_mid_request_fails_both_sides_with_the_brokers_reason(sglang_ranks, engine_brokers):
     prefill_broker, decode_broker = engine_brokers
     pair = await make_pair(sglang_ranks, prefill_broker.listen, decode_broker.listen)

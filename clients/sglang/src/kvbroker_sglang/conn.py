@@ -422,7 +422,7 @@ class KvbrokerKVManager(CommonKVManager):
         aux = b""
         if is_last_chunk:
             for i, indices in enumerate(state_indices or ()):
-                if indices is not None:
+                if indices is not None and len(indices):  # an empty list was not granted either
                     pages[state_component_of(self.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
             if aux_index is not None:
                 aux = encode_aux(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, int(aux_index))
@@ -616,6 +616,12 @@ class KvbrokerKVReceiver(CommonKVReceiver):
                 self.kv_mgr.fail(room, f"SGLang gave no pages for state {self.kv_mgr.kv_args.state_types[i]}")
                 return
             pages[state_component_of(self.kv_mgr.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
+        # A component with no pages (decode's prefix holds all the main KV and index K) is not
+        # granted: prefill sends none of it, and the broker grants only page lists it can fill.
+        pages = {component: ids for component, ids in pages.items() if ids.size}
+        if not pages:
+            self.kv_mgr.fail(room, "kvbroker: SGLang gave no pages for any component of the request")
+            return
         deliveries = [(info, self.kv_mgr.build_receiver_metadata_message(
             bootstrap_room=room, required_dst_info_num=self.required_dst_info_num, kv_indices=kv_indices,
             aux_index=aux_index, state_indices=state_indices, decode_prefix_len=decode_prefix_len,
