@@ -73,7 +73,7 @@ class Ranks:
         self._closers.append(server.close)
         return server
 
-    def manager(self, broker_listen: str, mode: str, rank: ranks.Rank, **env: str):
+    def manager(self, broker_listen: str, mode: str, rank: ranks.Rank, *, is_mla: bool = False, **env: str):
         """SGLang's `_init_kv_manager` last step: the backend's manager class on these KVArgs."""
         from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
 
@@ -81,7 +81,7 @@ class Ranks:
         saved = {k: os.environ.get(k) for k in ("KVBROKER_ADDRESS", *env)}
         os.environ.update({"KVBROKER_ADDRESS": broker_listen, **env})
         try:
-            manager = manager_class(rank.kv_args, DisaggregationMode(mode), None, False)
+            manager = manager_class(rank.kv_args, DisaggregationMode(mode), None, is_mla)
         finally:
             for key, value in saved.items():
                 if value is None:
