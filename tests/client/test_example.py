@@ -1,4 +1,5 @@
-"""The README's example, run against real brokers: a prefill and a decode server, every byte verified."""
+"""The README's example, run against real brokers: a prefill and a decode server in the offered flow,
+every byte and the aux bytes verified."""
 
 from __future__ import annotations
 
@@ -25,5 +26,7 @@ async def test_example_moves_a_request_between_two_brokers_verified(client_broke
     example = load_example()
     result = await example.run(client_brokers.prefill.listen, client_brokers.decode.listen, seed=3)
     assert result["verified"], result
-    assert result["receiver"] == "SUCCEEDED"
-    assert result["pages"] == example.REQUEST_PAGES
+    assert result["receiver"] == "SUCCEEDED" and result["aux_verified"]
+    assert result["parts"] == example.CHUNKS  # one Transfer part per chunk of the main KV
+    after_prefix = example.REQUEST_PAGES - example.PREFIX_PAGES
+    assert result["pages"] == 2 * after_prefix + example.REQUEST_PAGES  # main KV, index-K suffix, dense KV

@@ -21,7 +21,13 @@ from kvbroker.tools.launch import BrokerProcess, start_broker  # noqa: E402
 from tests.sglang import ranks  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-BROKER_FLAGS = ("--backend", "nixl", "--log-level", "WARNING")
+
+
+def broker_flags(backend: str = "nixl") -> tuple[str, ...]:
+    return ("--backend", backend, "--log-level", "WARNING")
+
+
+BROKER_FLAGS = broker_flags()
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +49,15 @@ async def broker_pair() -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
     await asyncio.gather(prefill.stop(), decode.stop())
 
 
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine_brokers(backend: str) -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
+    """A prefill and a decode broker on each transfer engine (tests/conftest.py's `backend`)."""
+    prefill, decode = await asyncio.gather(start_broker(f"sglang-prefill-{backend}", *broker_flags(backend)),
+                                           start_broker(f"sglang-decode-{backend}", *broker_flags(backend)))
+    yield prefill, decode
+    await asyncio.gather(prefill.stop(), decode.stop())
+
+
 class Ranks:
     """Builds SGLang KV managers (and the prefill's bootstrap server) on brokers; closes them after the test."""
 
@@ -58,7 +73,7 @@ class Ranks:
         self._closers.append(server.close)
         return server
 
-    def manager(self, broker_listen: str, mode: str, rank: ranks.Rank, **env: str):
+    def manager(self, broker_listen: str, mode: str, rank: ranks.Rank, *, is_mla: bool = False, **env: str):
         """SGLang's `_init_kv_manager` last step: the backend's manager class on these KVArgs."""
         from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
 
@@ -66,7 +81,7 @@ class Ranks:
         saved = {k: os.environ.get(k) for k in ("KVBROKER_ADDRESS", *env)}
         os.environ.update({"KVBROKER_ADDRESS": broker_listen, **env})
         try:
-            manager = manager_class(rank.kv_args, DisaggregationMode(mode), None, False)
+            manager = manager_class(rank.kv_args, DisaggregationMode(mode), None, is_mla)
         finally:
             for key, value in saved.items():
                 if value is None:

@@ -2,6 +2,7 @@
 
     minimax_pool(...)        a real MiniMaxSparseKVPool (3 dense + 4 K-only sparse layers) whose
                              buffers were moved into /dev/shm (torch's file_system sharing), filled
+    mha_pool(...), mla_pool(...)   SGLang's MHA and MLA pools, likewise (layout tests)
     rank_kv_args(pool, ...)  KVArgs as prefill.py/decode.py `_init_kv_manager` fill them, with real
                              MetadataBuffers for aux and SGLang's own setup_state_kv_args
     SGLangProcess(port)      the runtime context a scheduler process publishes (loopback, bootstrap port)
@@ -31,7 +32,7 @@ from sglang.srt.disaggregation.utils import (  # noqa: E402
     get_kv_transfer_buf_infos,
     setup_state_kv_args,
 )
-from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MiniMaxSparseKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 
 DENSE_LAYERS = [0, 1, 2]
@@ -47,9 +48,36 @@ def _share(tensors: Sequence[torch.Tensor]) -> None:
         tensor.untyped_storage().share_memory_()  # in place: every view follows, data_ptr moves to /dev/shm
 
 
-def pool_buffers(pool: MiniMaxSparseKVPool) -> list[torch.Tensor]:
+def pool_buffers(pool) -> list[torch.Tensor]:
+    if isinstance(pool, MLATokenToKVPool):
+        return list(pool.kv_buffer)
+    if isinstance(pool, MHATokenToKVPool):
+        return [*pool.k_buffer, *pool.v_buffer]
     main = pool.main_pool
     return [*main.k_buffer, *main.v_buffer, *(pool.index_k_pool.k_buffer if pool.index_k_pool else ())]
+
+
+def _in_shm(pool, seed: int):
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffers = pool_buffers(pool)
+    _share(buffers)
+    rng = np.random.default_rng(seed)
+    for buffer in buffers:
+        raw = buffer.view(torch.uint8).numpy().reshape(-1)
+        raw[:] = rng.integers(0, 256, raw.size, dtype=np.uint8)
+    return pool
+
+
+def mha_pool(seed: int, *, start_layer: int, end_layer: int) -> MHATokenToKVPool:
+    """SGLang's MHA pool for layers [start_layer, end_layer) (a PP stage), bf16, 2 KV heads of 16."""
+    return _in_shm(MHATokenToKVPool(POOL_TOKENS, PAGE_SIZE, torch.bfloat16, 2, 16, end_layer - start_layer, "cpu",
+                                    False, start_layer=start_layer, end_layer=end_layer), seed)
+
+
+def mla_pool(seed: int, *, layers: int) -> MLATokenToKVPool:
+    """SGLang's MLA pool: one latent (kv_lora_rank 32 + rope 8) per layer, bf16."""
+    return _in_shm(MLATokenToKVPool(POOL_TOKENS, PAGE_SIZE, torch.bfloat16, 32, 8, layers, "cpu", False,
+                                    start_layer=0, end_layer=layers), seed)
 
 
 def minimax_pool(seed: int, *, fill: str = "random", index_value: bool = False) -> MiniMaxSparseKVPool:
@@ -70,12 +98,12 @@ def minimax_pool(seed: int, *, fill: str = "random", index_value: bool = False) 
 
 @dataclass
 class Rank:
-    pool: MiniMaxSparseKVPool
+    pool: MiniMaxSparseKVPool | MHATokenToKVPool | MLATokenToKVPool
     kv_args: KVArgs
     metadata: MetadataBuffers
 
 
-def rank_kv_args(pool: MiniMaxSparseKVPool, *, engine_rank: int = 0) -> Rank:
+def rank_kv_args(pool, *, engine_rank: int = 0, num_hidden_layers: int = 7) -> Rank:
     """KVArgs filled as SGLang's bootstrap queues fill them (prefill.py ~258-345, decode.py the same)."""
     kv_args = KVArgs()
     kv_args.engine_rank = engine_rank
@@ -89,16 +117,16 @@ def rank_kv_args(pool: MiniMaxSparseKVPool, *, engine_rank: int = 0) -> Rank:
     kv_args.prefill_end_layer = pool.end_layer
     kv_args.num_draft_entries = 0
     kv_args.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=pool, draft_token_to_kv_pool=None,
-                                              num_draft_entries=0, num_hidden_layers=7)
-    kv_args.kv_head_num = pool.head_num
-    kv_args.total_kv_head_num = pool.head_num
+                                              num_draft_entries=0, num_hidden_layers=num_hidden_layers)
+    kv_args.kv_head_num = getattr(pool, "head_num", 1)  # MLA pools have one latent, no heads
+    kv_args.total_kv_head_num = kv_args.kv_head_num
     kv_args.page_size = pool.page_size
     metadata = MetadataBuffers(METADATA_SLOTS, HIDDEN_SIZE, torch.bfloat16, max_sampling_mask_tokens=0,
                                max_top_logprobs_num=4)
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = metadata.get_buf_infos()
     kv_args.ib_device = None
     kv_args.gpu_id = 0
-    setup_state_kv_args(kv_args, pool, None, 7)
+    setup_state_kv_args(kv_args, pool, None, num_hidden_layers)
     return Rank(pool, kv_args, metadata)
 
 

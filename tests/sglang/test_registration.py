@@ -1,5 +1,6 @@
-"""A real MiniMaxSparseKVPool (3 dense + 4 sparse layers, CPU, in /dev/shm) through SGLang's own
-setup_state_kv_args, registered by kvbroker's manager with a real broker."""
+"""SGLang's own pools (MiniMaxSparseKVPool with 3 dense + 4 sparse layers, MHA, MLA; CPU, in /dev/shm)
+through SGLang's own KVArgs helpers, registered by kvbroker's manager with a real broker; and the
+KVArgs that read as no layout, refused by name (kvbroker_sglang.layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 
 import pytest
 
-from kvbroker_client import BrokerClient, BufferRole, Component, Layout
+from kvbroker_client import BrokerClient, BufferRole, Component, Layout, SharedMemoryRef
+from kvbroker_sglang.layout import LayoutError, engine_components
 from kvbroker_sglang.memory import NotExportable
 from tests.sglang import ranks
 
@@ -73,3 +75,53 @@ async def test_a_pool_in_private_memory_is_refused_before_anything_registers(sgl
         with pytest.raises(NotExportable, match=r"kv_data_ptrs\[0\].*private host memory"):
             await asyncio.to_thread(sglang_ranks.manager, prefill.listen, "prefill", rank)
         assert (await client.info()).engine_ids == before
+
+
+async def _registered(broker, manager):
+    async with BrokerClient(broker.listen) as client:
+        (engine,) = [e for e in (await client.info()).engines if e.engine_id == manager.engine_id]
+    return engine
+
+
+async def test_an_mha_pool_registers_k_then_v_of_its_global_layers(sglang_ranks, broker_pair):
+    """A PP stage's MHA pool (layers 2..5 of 8): SGLang lists K of each layer, then V, and no layer ids."""
+    prefill, _ = broker_pair
+    rank = ranks.rank_kv_args(ranks.mha_pool(5, start_layer=2, end_layer=6), num_hidden_layers=8)
+    assert len(rank.kv_args.kv_data_ptrs) == 8 and not rank.kv_args.state_types
+    manager = await asyncio.to_thread(sglang_ranks.manager, prefill.listen, "prefill", rank)
+    engine = await _registered(prefill, manager)
+    (main,) = engine.components
+    assert (main.component, main.layout) == (Component.MAIN_KV, Layout.KV_SPLIT)
+    assert [(b.layer_id, b.role) for b in main.layer_buffers] == [
+        *((x, BufferRole.K) for x in range(2, 6)), *((x, BufferRole.V) for x in range(2, 6))]
+    assert [b.item_len for b in main.layer_buffers] == list(rank.kv_args.kv_item_lens)
+    assert (engine.topology.start_layer, engine.topology.end_layer) == (2, 6)
+
+
+async def test_an_mla_pool_registers_one_flat_latent_per_layer(sglang_ranks, broker_pair):
+    prefill, _ = broker_pair
+    rank = ranks.rank_kv_args(ranks.mla_pool(6, layers=4), num_hidden_layers=4)
+    manager = await asyncio.to_thread(sglang_ranks.manager, prefill.listen, "decode", rank, is_mla=True)
+    (main,) = (await _registered(prefill, manager)).components
+    assert (main.component, main.layout) == (Component.MAIN_KV, Layout.FLAT)
+    assert [(b.layer_id, b.role) for b in main.layer_buffers] == [(x, BufferRole.FLAT) for x in range(4)]
+
+
+def _no_memory(ptrs, lens, what):
+    return [SharedMemoryRef("unused", 0) for _ in ptrs]
+
+
+def test_pointers_that_read_as_no_layout_are_refused_naming_the_list(sglang_process):
+    rank = ranks.rank_kv_args(ranks.mha_pool(7, start_layer=0, end_layer=4), num_hidden_layers=4)
+    rank.kv_args.kv_data_ptrs = rank.kv_args.kv_data_ptrs[:-1]  # 7 buffers for 4 layers
+    with pytest.raises(LayoutError, match=r"kv_data_ptrs: 7 buffers.*need 8"):
+        engine_components(rank.kv_args, _no_memory)
+
+
+def test_a_state_type_without_a_component_is_refused_by_name(sglang_process):
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    rank = ranks.rank_kv_args(ranks.minimax_pool(8))
+    rank.kv_args.state_types = [StateType.MAMBA, *rank.kv_args.state_types[1:]]
+    with pytest.raises(LayoutError, match=r"state_types\[0\]: SGLang state 'mamba' has no kvbroker component"):
+        engine_components(rank.kv_args, _no_memory)

@@ -5,7 +5,8 @@ Adapted from the upstream tests of `test/registered/unit/disaggregation/` that a
 test_common_sender_lifecycle.py (abort, bootstrap timeout, a missing room), test_fake_kv_sender.py
 (the zero-page last chunk, stable polls), test_disaggregation_wire.py (frames round-trip, foreign
 frames refused), and discovery through SGLang's bootstrap server as decode.py drives it. The chunk
-and state contracts of the sender lifecycle test need the offered flow: test_end_to_end.py.
+and state contracts of the sender lifecycle test (two chunks, the zero-KV final chunk) and the
+deferred decode KV release run end to end on real brokers: test_end_to_end.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 
 A buffer is a C-contiguous [num_pages, ...] array or tensor: item_len (one page's bytes) is
 `x[0].nbytes` unless given. `SegmentMap` turns any address range inside a known segment into
-(segment name, offset); it is also what the SGLang adapter uses for raw pointers. Tensors in
+(segment name, offset), for a server that holds raw pointers into segments it made. Tensors in
 torch's own shared memory (`share_memory_()` under the "file_system" sharing strategy) resolve
 without a segment. torch is imported only when a torch tensor is made or passed in.
 

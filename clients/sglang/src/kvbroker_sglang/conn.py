@@ -14,7 +14,9 @@ a metadata frame over SGLang's ZMQ control socket (`wire`).
             KvbrokerKVSender.send per chunk -> one Transfer part; the last carries the states and aux
     both    poll() is SGLang's KVPoll from the broker's states; a room that fails is cancelled on the
             broker, and poll() holds it (Transferring) until the broker says no write into its
-            pages runs, so SGLang frees nothing a transfer still touches
+            pages runs, so SGLang frees nothing a transfer still touches; that answer is also
+            decode's abort ack (SGLang's deferred release). The broker's answer is the failure:
+            its code and reason, whichever side or broker ended the request
 
     KvbrokerKVManager, KvbrokerKVSender, KvbrokerKVReceiver, KvbrokerKVBootstrapServer
     Settings (environment: KVBROKER_ADDRESS, KVBROKER_ENGINE_PREFIX, ...)
@@ -69,7 +71,7 @@ class Settings:
     engine_prefix: str = ""  # KVBROKER_ENGINE_PREFIX: engine ids are "<prefix>/<mode>/dp<d>-tp<t>-pp<p>"
     connect_timeout_s: float = 30.0  # KVBROKER_CONNECT_TIMEOUT_S: startup: connect and register
     call_timeout_s: float = 30.0  # KVBROKER_CALL_TIMEOUT_S: one offer, part or cancel
-    grant_expiry_s: float | None = None  # KVBROKER_GRANT_EXPIRY_S: unset takes the broker's default
+    grant_expiry_s: float | None = None  # KVBROKER_GRANT_EXPIRY_S: unset: SGLang's own wait (waiting_timeout)
     watch_timeout_s: float = 600.0  # one WatchTransfer stream; watched again while the request lives
 
     @classmethod
@@ -107,12 +109,14 @@ class _Part:
 class _Room:
     """What the manager tracks of one request beyond SGLang's request_status."""
 
-    offered: bool = False  # decode: a grant exists on the broker; prefill: parts were handed to it
+    offered: bool = False  # the broker may hold a record of it (decode: a grant asked; prefill: an offer)
     aux_index: int | None = None  # decode: where this request's aux rows go
     task: object | None = None  # the follower (a concurrent Future on the loop)
     cancel: object | None = None  # the cancel in flight, or done
     lock: asyncio.Lock | None = None  # prefill: parts go to the broker in SGLang's order
     code: object | None = None  # the broker's code of the first failure
+    offering: asyncio.Future | None = None  # decode: the ExpectTransfer call, on the loop
+    cleared: bool = False  # SGLang cleared the room while its cancel ran: forget it once that answers
 
 
 def _failure(error: BrokerError | TransferStatus) -> tuple[str, object]:
@@ -182,6 +186,14 @@ class KvbrokerKVManager(CommonKVManager):
                  self.settings.address, self.broker_address,
                  ", ".join(f"{c.component.name} {len(c.layer_buffers)} buffers" for c in components))
 
+    @property
+    def grant_expiry_s(self) -> float:
+        """Decode's grants live as long as SGLang waits for their transfer (SGLANG_DISAGGREGATION_WAITING_TIMEOUT,
+        300 s), not the broker's shorter default: a request may wait in prefill's queue that long."""
+        if self.settings.grant_expiry_s is not None:
+            return self.settings.grant_expiry_s
+        return float(self.waiting_timeout)
+
     def _check_aux_on_host(self, exporter: MemoryExporter) -> None:
         driver = exporter._cuda
         for i, ptr in enumerate(self.kv_args.aux_data_ptrs):
@@ -233,9 +245,8 @@ class KvbrokerKVManager(CommonKVManager):
     def update_status(self, bootstrap_room: int, status: KVPoll):
         with self._rooms_lock:
             super().update_status(bootstrap_room, status)
-            state = self._rooms.get(bootstrap_room)
-        if status == KVPoll.Failed and state is not None and state.offered and state.cancel is None:
-            self._cancel(bootstrap_room, state, self.failure_records.get(bootstrap_room, "request failed"))
+        if status == KVPoll.Failed:
+            self.cancel_room(bootstrap_room, self.failure_records.get(bootstrap_room, "request failed"))
 
     def fail(self, room: int, reason: str, code=None) -> None:
         """Record the first root cause of a room's failure (and the broker's code) and mark it Failed."""
@@ -244,8 +255,8 @@ class KvbrokerKVManager(CommonKVManager):
                 return
             with self.failure_lock:
                 self.failure_records.setdefault(room, reason)
-            state = self._rooms.get(room)
-            if state is not None and state.code is None:
+            state = self._rooms.setdefault(room, _Room())
+            if state.code is None:
                 state.code = code
         self.update_status(room, KVPoll.Failed)
 
@@ -255,37 +266,79 @@ class KvbrokerKVManager(CommonKVManager):
         return state is not None and state.cancel is not None and not state.cancel.done()
 
     def forget(self, room: int) -> None:
+        """SGLang cleared the room: drop what is kept of it, now or, while its cancel runs, once it answers."""
         with self._rooms_lock:
-            state = self._rooms.pop(room, None)
-        if state is not None and state.task is not None:
+            state = self._rooms.get(room)
+            if state is None:
+                return
+            if state.cancel is not None and not state.cancel.done():
+                state.cleared = True
+                return
+            del self._rooms[room]
+        if state.task is not None:
             state.task.cancel()
 
     def failure_code(self, room: int):
         state = self._rooms.get(room)
         return None if state is None else state.code
 
-    def _cancel(self, room: int, state: _Room, reason: str, acks: tuple[int, int] | None = None) -> None:
-        """Cancel the room on the broker: it answers once no write into the grant runs."""
-        follower = state.task
+    def cancel_room(self, room: int, reason: str, *, unknown_reason: str | None = None) -> None:
+        """Cancel the room on the broker, once; the broker answers when no write into it runs.
 
-        async def cancel() -> None:
-            if follower is not None:
-                follower.cancel()
-            try:
-                await self.client.cancel(self.engine_id, str(room), reason[:512], timeout=self.settings.call_timeout_s)
-            except NotFound:
-                pass  # never offered here, or already gone: nothing writes into it
-            except BrokerError as exc:
-                log.error("kvbroker: cancelling request %s on the broker failed (%s); its pages are released "
-                          "anyway", room, exc)
-            if acks is not None:
-                generation, count = acks
-                for rank in range(count):
-                    self.note_abort_ack(room, rank, generation)
+        Only rooms that may have a record there (`offered`) are cancelled. The broker's answer is
+        the room's failure: its code, and its reason unless an earlier cause was recorded. A broker
+        with no record of the room fails it with `unknown_reason` when given.
+        """
+        with self._rooms_lock:
+            state = self._rooms.get(room)
+            if state is None or not state.offered or state.cancel is not None:
+                return
+            if self.loop is None or self.client is None:
+                return
+            follower = state.task
 
-        if self.loop is None or self.client is None:
-            return
-        state.cancel = self.loop.spawn(cancel(), name=f"cancel {room}")
+            async def cancel() -> None:
+                if follower is not None:
+                    follower.cancel()
+                if state.offering is not None:  # decode: the grant may be in the making
+                    await asyncio.wait([state.offering], timeout=self.settings.call_timeout_s)
+                try:
+                    status = await self.client.cancel(self.engine_id, str(room), reason[:512],
+                                                      timeout=self.settings.call_timeout_s)
+                except NotFound:
+                    if unknown_reason is not None:  # never offered here, or gone: nothing writes into it
+                        self.fail(room, unknown_reason)
+                    return
+                except BrokerError as exc:
+                    log.error("kvbroker: cancelling request %s on the broker failed (%s); its pages are released "
+                              "anyway", room, exc)
+                    self.fail(room, *_failure(exc))
+                    return
+                if status.state is TransferState.FAILED:
+                    self.fail(room, *_failure(status))
+
+            state.cancel = self.loop.spawn(cancel(), name=f"cancel {room}")
+            state.cancel.add_done_callback(lambda _: self._cancelled(room))
+
+    def cancel_unfinished(self, room: int) -> None:
+        """SGLang clears a room it no longer follows: one that has not ended must not stay writable
+        on the broker until its grant expires."""
+        if self.request_status.get(room) not in (None, KVPoll.Success, KVPoll.Failed):
+            self.cancel_room(room, "SGLang cleared the request before its transfer ended")
+
+    def _cancelled(self, room: int) -> None:
+        state = self._rooms.get(room)
+        if state is not None and state.cleared:
+            self.forget(room)
+
+    def when_quiet(self, room: int, fn) -> None:
+        """Call `fn()` once nothing can write into the room's pages: now, or when its cancel answers."""
+        state = self._rooms.get(room)
+        cancel = None if state is None else state.cancel
+        if cancel is None:
+            fn()
+        else:
+            cancel.add_done_callback(lambda _: fn())
 
     # -- prefill: the control socket -------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -313,9 +366,22 @@ class KvbrokerKVManager(CommonKVManager):
         elif tag == ABORT_TAG:
             notification = AbortNotification.from_zmq(frames)
             if notification is not None:
-                self.fail(notification.room, "the decode side aborted the request")
+                self._decode_aborted(notification.room)
         else:
             raise WireError(f"unknown control frame {tag[:32]!r}")
+
+    def _decode_aborted(self, room: int) -> None:
+        """SGLang's abort frame from decode: the room fails with what the broker says of it.
+
+        Decode's cancel withdraws its grant from this broker too; whichever comes first, cancelling
+        the room here answers with its failure (CANCELLED and the reason) once no part writes into it.
+        """
+        with self._rooms_lock:
+            if self.request_status.get(room) in (None, KVPoll.Success):
+                return  # gone already, or done: as upstream, an abort after Success changes nothing
+            self.room(room).offered = True  # the offer may sit on this broker even before decode's metadata
+        self.cancel_room(room, "the decode side aborted the request",
+                         unknown_reason="the decode side aborted the request (this broker held no record of it)")
 
     def _on_metadata(self, meta: Metadata) -> None:
         room = meta.room
@@ -356,7 +422,7 @@ class KvbrokerKVManager(CommonKVManager):
         aux = b""
         if is_last_chunk:
             for i, indices in enumerate(state_indices or ()):
-                if indices is not None:
+                if indices is not None and len(indices):  # an empty list was not granted either
                     pages[state_component_of(self.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
             if aux_index is not None:
                 aux = encode_aux(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, int(aux_index))
@@ -397,12 +463,16 @@ class KvbrokerKVManager(CommonKVManager):
                                      name=f"offer {room}")
 
     async def _offer_and_follow(self, receiver, room: int, target: dict, pages, deliveries) -> None:
+        state = self.room(room)
+        # Shielded: a cancel must not cut the offer short (the broker may have made the grant
+        # already); it waits for the call to end, then cancels what the call made.
+        state.offering = asyncio.ensure_future(self.client.expect_transfer(
+            self.engine_id, str(room), pages=pages, sender_address=target["kvbroker_address"],
+            sender_engine_id=target["kvbroker_engine_id"], expiry_s=self.grant_expiry_s,
+            timeout=self.settings.call_timeout_s))
+        state.offering.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
         try:
-            await self.client.expect_transfer(self.engine_id, str(room), pages=pages,
-                                              sender_address=target["kvbroker_address"],
-                                              sender_engine_id=target["kvbroker_engine_id"],
-                                              expiry_s=self.settings.grant_expiry_s,
-                                              timeout=self.settings.call_timeout_s)
+            await asyncio.shield(state.offering)
         except BrokerError as exc:
             self.fail(room, *_failure(exc))
             return
@@ -502,9 +572,9 @@ class KvbrokerKVSender(CommonKVSender):
         super().abort()
 
     def clear(self) -> None:
+        self.kv_mgr.cancel_unfinished(self.bootstrap_room)
         super().clear()
-        if not self.kv_mgr.holding(self.bootstrap_room):
-            self.kv_mgr.forget(self.bootstrap_room)
+        self.kv_mgr.forget(self.bootstrap_room)
 
     def failure_exception(self):
         code = self.kv_mgr.failure_code(self.bootstrap_room)
@@ -546,6 +616,12 @@ class KvbrokerKVReceiver(CommonKVReceiver):
                 self.kv_mgr.fail(room, f"SGLang gave no pages for state {self.kv_mgr.kv_args.state_types[i]}")
                 return
             pages[state_component_of(self.kv_mgr.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
+        # A component with no pages (decode's prefix holds all the main KV and index K) is not
+        # granted: prefill sends none of it, and the broker grants only page lists it can fill.
+        pages = {component: ids for component, ids in pages.items() if ids.size}
+        if not pages:
+            self.kv_mgr.fail(room, "kvbroker: SGLang gave no pages for any component of the request")
+            return
         deliveries = [(info, self.kv_mgr.build_receiver_metadata_message(
             bootstrap_room=room, required_dst_info_num=self.required_dst_info_num, kv_indices=kv_indices,
             aux_index=aux_index, state_indices=state_indices, decode_prefix_len=decode_prefix_len,
@@ -559,17 +635,20 @@ class KvbrokerKVReceiver(CommonKVReceiver):
         return super().poll()
 
     def _send_abort_notification(self, *, force_arm: bool = False):
+        """SGLang's abort frames to prefill, then the grant cancelled on the broker. SGLang's deferred
+        release holds the pages until every prefill rank acks the abort; here the broker's answer to
+        the cancel (no write into the grant runs) is that ack, for each of them."""
         super()._send_abort_notification(force_arm=force_arm)
-        state = self.kv_mgr.room(self.bootstrap_room)
-        if state.offered and state.cancel is None:
-            acks = None if self._abort_generation is None else (self._abort_generation, len(self.bootstrap_infos))
-            reason = self.kv_mgr.failure_records.get(self.bootstrap_room, "aborted by SGLang decode")
-            self.kv_mgr._cancel(self.bootstrap_room, state, reason, acks)
+        room, generation, count = self.bootstrap_room, self._abort_generation, len(self.bootstrap_infos)
+        self.kv_mgr.cancel_room(room, self.kv_mgr.failure_records.get(room, "aborted by SGLang decode"))
+        if generation is not None:
+            self.kv_mgr.when_quiet(room, lambda: [self.kv_mgr.note_abort_ack(room, rank, generation)
+                                                  for rank in range(count)])
 
     def clear(self) -> None:
+        self.kv_mgr.cancel_unfinished(self.bootstrap_room)
         super().clear()
-        if not self.kv_mgr.holding(self.bootstrap_room):
-            self.kv_mgr.forget(self.bootstrap_room)
+        self.kv_mgr.forget(self.bootstrap_room)
 
     def failure_exception(self):
         code = self.kv_mgr.failure_code(self.bootstrap_room)
