@@ -1,0 +1,97 @@
+"""A lying peer broker, played by a real gRPC PeerService in the test: what it answers never poisons the
+sender's path to a real broker."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+import pytest
+
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from tests.conftest import ALL, assert_bytes, expected_after
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+class Answers(ppb_grpc.PeerServiceServicer):
+    """A PeerService that answers Handshake with what the test hands it."""
+
+    def __init__(self, handshake: ppb.HandshakeResponse) -> None:
+        self.handshake = handshake
+        self.handshakes = 0
+
+    async def Handshake(self, request, context):
+        self.handshakes += 1
+        return self.handshake
+
+
+@contextlib.asynccontextmanager
+async def peer_service(servicer: ppb_grpc.PeerServiceServicer):
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
+    ppb_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+async def real_handshake(broker, engine_id: str, backend: str) -> ppb.HandshakeResponse:
+    async with grpc.aio.insecure_channel(broker.peer_address) as channel:
+        return await ppb_grpc.PeerServiceStub(channel).Handshake(ppb.HandshakeRequest(
+            broker_id="test", engine_id=engine_id, backend=backend), timeout=10)
+
+
+def lie(answer: ppb.HandshakeResponse, backend: str) -> ppb.HandshakeResponse:
+    """The real broker's answer with its engine metadata cut short, as a lying peer sends it."""
+    lying = ppb.HandshakeResponse()
+    lying.CopyFrom(answer)
+    metadata = answer.backend_metadata
+    lying.backend_metadata = metadata[:len(metadata) * 3 // 4] if backend == "nixl" else metadata[:-1]
+    return lying
+
+
+@pytest.mark.parametrize("order", ["liar first", "real first"])
+async def test_a_lying_peer_never_poisons_the_path_to_the_real_broker(brokers, engines, request_id, order):
+    src = await engines.make(brokers.prefill, "prefill")
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    answer = await real_handshake(brokers.decode, dst.engine_id, brokers.backend)
+
+    async def to_liar(liar: str, n: int) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await src.stub.Transfer(bpb.TransferRequest(
+                request_id=f"{request_id}-liar-{n}", engine_id=src.engine_id, peer_address=liar,
+                remote_engine_id=dst.engine_id, components=ALL, src_page_ids=[0, 1]), timeout=30)
+        assert failed.value.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNIMPLEMENTED), \
+            failed.value.details()
+
+    async def to_real(n: int, pages: list[int]) -> None:
+        before = dst.segment.array.copy()
+        await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+            request_id=f"{request_id}-real-{n}", engine_id=dst.engine_id, components=ALL, dst_page_ids=pages),
+            timeout=10)
+        reply = await src.stub.Transfer(bpb.TransferRequest(
+            request_id=f"{request_id}-real-{n}", engine_id=src.engine_id, peer_address=dst.broker.peer_address,
+            remote_engine_id=dst.engine_id, components=ALL, src_page_ids=[5, 6]), timeout=30)
+        assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
+        assert_bytes(dst, expected_after(src, dst, before, ALL, [5, 6], pages))
+
+    servicer = Answers(lie(answer, brokers.backend))
+    async with peer_service(servicer) as liar:
+        if order == "liar first":
+            await to_liar(liar, 0)
+            await to_real(0, [3, 4])
+        else:
+            await to_real(0, [3, 4])
+            await to_liar(liar, 0)
+        await to_real(1, [8, 9])
+        await to_liar(liar, 1)
+        await to_real(2, [10, 11])
+    assert servicer.handshakes >= 1
