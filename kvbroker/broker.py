@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.backends.base import Backend
-from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.errors import BrokerError, Code, invalid, not_found
 from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
 from kvbroker.peer_link import PeerLink
 from kvbroker.registry import Engine, Registry
@@ -162,6 +162,15 @@ class Broker:
     def handshake_view(self, engine_id: str) -> Engine:
         self._check_accepting()
         return self.registry.get(engine_id)
+
+    def check_claimable(self, engine_id: str, request_id: str) -> None:
+        """NOT_FOUND, as `claim` answers it, for an engine or a request this broker does not have:
+        the peer servicer asks before it converts a claim's page ids."""
+        self.registry.get(engine_id)
+        try:
+            self.table.get(engine_id, request_id)
+        except BrokerError:
+            raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
 
     def claim(self, engine_id: str, request_id: str, components: Sequence[Component],
               dst_page_ids: np.ndarray, claimant: str) -> tuple[Grant, int]:

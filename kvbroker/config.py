@@ -44,7 +44,27 @@ class Settings(BaseSettings):
     unregister_wait_s: float = Field(10.0, ge=0, description="how long UnregisterEngine waits for writes, seconds")
     shutdown_grace_s: float = Field(20.0, ge=0, description="time in-flight transfers get on SIGTERM, seconds")
     max_pages_per_request: int = Field(1 << 20, gt=0, description="page ids per request and pages per buffer")
-    max_message_bytes: int = Field(64 << 20, gt=0, description="largest gRPC message accepted, bytes")
+    max_message_bytes: int = Field(64 << 20, gt=0, description="largest message of the local API, received or "
+                                                              "sent, bytes")
+    max_peer_message_bytes: int = Field(0, ge=0, description="largest message of the peer API, received or sent "
+                                                             "(a peer's handshake answer too), bytes; 0: what 4 page "
+                                                             "lists of max_pages_per_request page ids take, plus "
+                                                             "64 KiB")
+    max_layer_buffers: int = Field(4096, gt=0, description="layer buffers of one engine, at registration and in a "
+                                                           "peer's handshake answer")
+    max_peer_reads: int = Field(32, gt=0, description="peer API requests received and parsed at once; the others "
+                                                      "wait, unread, up to peer_rpc_timeout_s: what requests take "
+                                                      "stays under max_peer_reads × max_peer_message_bytes")
+    max_reads_per_peer: int = Field(8, gt=0, description="of max_peer_reads, how many one peer host may hold at once")
+    max_peer_streams: int = Field(100, gt=0, description="calls one peer connection carries at once (HTTP/2 "
+                                                         "concurrent streams); the peer queues more")
+    max_peer_connections: int = Field(1024, gt=0, description="connections the peer port holds at once; more are "
+                                                              "closed as they are accepted")
+    peer_handshake_timeout_s: float = Field(10.0, gt=0, description="a peer connection that has not completed its "
+                                                                    "TLS and HTTP/2 handshake by then is closed, "
+                                                                    "seconds")
+    peer_connection_idle_s: float = Field(300.0, gt=0, description="a peer connection without a call for this long "
+                                                                   "is closed, seconds")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["auto", "text", "json"] = Field(
         "auto", description="json (one object per line) or text; auto: text when stderr is a terminal, else json")
@@ -58,6 +78,11 @@ class Settings(BaseSettings):
             return self.advertise_host or self.broker_id
         return host
 
+    @property
+    def peer_message_bytes(self) -> int:
+        """max_peer_message_bytes, or when 0 what an OfferGrant's 4 page lists take, plus SMALL_MESSAGE_BYTES."""
+        return self.max_peer_message_bytes or 4 * page_list_bytes(self.max_pages_per_request) + SMALL_MESSAGE_BYTES
+
     @model_validator(mode="after")
     def _tls_files_come_together(self) -> Settings:
         if bool(self.peer_tls_cert) != bool(self.peer_tls_key):
@@ -65,6 +90,19 @@ class Settings(BaseSettings):
         if self.peer_tls_ca and not self.peer_tls_cert:
             raise ValueError("peer_tls_ca needs peer_tls_cert and peer_tls_key (mutual TLS)")
         return self
+
+
+SMALL_MESSAGE_BYTES = 64 << 10  # what a request without page lists or layer buffers may take: ids, reasons, tokens
+
+
+def page_list_bytes(max_pages: int) -> int:
+    """The most one page list of valid ids takes on the wire: each id below max_pages, as a varint,
+    plus the field's tag and length."""
+    return max_pages * varint_bytes(max_pages - 1) + 16
+
+
+def varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:

@@ -31,6 +31,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     @translate_errors
     async def ClaimGrant(self, request: ppb.ClaimGrantRequest, context) -> ppb.ClaimGrantResponse:
+        self._broker.check_claimable(request.engine_id, request.request_id)  # before any page array is built
         grant, generation = self._broker.claim(
             request.engine_id, request.request_id, convert.components_in(request.components),
             convert.page_ids_in(request.dst_page_ids), claimant=request.broker_id,

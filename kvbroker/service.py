@@ -52,6 +52,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def ExpectTransfer(self, request, context):
+        self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
         status = await self._broker.expect_transfer(
             request.engine_id, request.request_id, convert.components_in(request.components),
             convert.page_ids_in(request.dst_page_ids), request.expiry_ms,
@@ -60,6 +61,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def Transfer(self, request, context):
+        self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
         command = TransferCommand(
             request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
             convert.components_in(request.components), convert.page_ids_in(request.src_page_ids),

@@ -1,9 +1,11 @@
 """A lying peer broker, played by a real gRPC PeerService in the test: what it answers never poisons the
-sender's path to a real broker."""
+sender's path to a real broker, and an answer beyond the sender's bounds is refused before anything is
+built from it."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import grpc
 import pytest
@@ -12,7 +14,8 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-from tests.conftest import ALL, assert_bytes, expected_after
+from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.integration.test_bounds import HEALTH_PROMPT_S, Watch, until
 
 pytestmark = pytest.mark.integration
 
@@ -95,3 +98,45 @@ async def test_a_lying_peer_never_poisons_the_path_to_the_real_broker(brokers, e
         await to_liar(liar, 1)
         await to_real(2, [10, 11])
     assert servicer.handshakes >= 1
+
+
+async def test_a_handshake_answer_with_more_layer_buffers_than_the_bound_is_refused_without_a_stall(
+        backend, brokers, engines, request_id):
+    prefill = await open_broker("bounds-answer", backend, "--log-level", "INFO")  # the request's end is logged
+    try:
+        await refuse_a_big_handshake_answer(prefill, brokers, engines, request_id)
+    finally:
+        assert await close_broker(prefill) == 0
+
+
+async def refuse_a_big_handshake_answer(prefill, brokers, engines, request_id) -> None:
+    src = await engines.make(prefill, "prefill")
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    answer = await real_handshake(brokers.decode, dst.engine_id, brokers.backend)
+    main = next(c for c in answer.engine.components if c.component == pb.COMPONENT_MAIN_KV)
+    template = main.layer_buffers[0]
+    main.ClearField("layer_buffers")
+    main.layer_buffers.extend(ppb.PeerLayerBuffer(layer_id=i // 2, role=(pb.BUFFER_ROLE_K, pb.BUFFER_ROLE_V)[i % 2],
+                                                  address=template.address, length=template.length,
+                                                  item_len=template.item_len)
+                              for i in range(400_000))
+    answer.engine.topology.end_layer = 200_000
+    assert answer.ByteSize() > 8 * MiB
+    logged = len("\n".join(prefill.process.stderr_lines))
+    async with peer_service(Answers(answer)) as liar:
+        async with Watch(prefill.process.pid, [prefill.process.listen]).during() as watch:
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await src.stub.Transfer(bpb.TransferRequest(
+                    request_id=request_id, engine_id=src.engine_id, peer_address=liar,
+                    remote_engine_id=dst.engine_id, components=[pb.COMPONENT_MAIN_KV], src_page_ids=[0, 1]),
+                    timeout=30)
+            took = time.monotonic() - started
+    assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    assert "max_layer_buffers" in refused.value.details()
+    assert took < 3, f"the refusal took {took:.1f}s"
+    assert max(watch.health_s) < HEALTH_PROMPT_S, f"health took up to {max(watch.health_s):.1f}s"
+    lines = prefill.process.stderr_lines
+    assert await until(lambda: any(request_id in line for line in lines), timeout=10), "no log line of its end"
+    wrote = len("\n".join(lines)) - logged
+    assert wrote < 16 << 10, f"the broker logged {wrote} bytes about one refused handshake"
