@@ -8,8 +8,8 @@ wait: until the first SIGTERM or SIGINT (`capture_signals`; a second one forces 
 shutdown: NOT_SERVING at once, drain in-flight transfers within the grace period, stop the
 servers, release engines and the backend, stop the metrics endpoint. Tests call startup and
 shutdown directly; `kvbroker serve` (cli.py) calls serve. Its parts: `new_epoch`, `peer_credentials`
-(TLS of the peer port), `peer_server_options` (the peer port's bounds in grpc core), `raise_fd_limit`,
-`Endpoints` (the addresses as bound).
+(TLS of the peer port), `peer_server_options` (the peer port's bounds in grpc core), `bind_unix`
+(the local socket, created with its final mode), `raise_fd_limit`, `Endpoints` (the addresses as bound).
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import contextlib
 import logging
 import os
 import resource
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -73,6 +75,37 @@ def peer_credentials(s: Settings) -> tuple[grpc.ServerCredentials | None, grpc.C
     return server, client
 
 
+SOCKET_MODE = 0o660  # the local API's Unix socket: the broker's user and group (the inference server)
+SOCKET_DIR_MODE = 0o750  # a directory the broker creates for it
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    path: Path
+    inode: int  # of the socket bound: shutdown removes the path only while it is still this socket
+
+
+def bind_unix(server: grpc.aio.Server, path: Path) -> UnixSocket:
+    """Bind `path` with its final mode from the first moment anyone can reach it: grpc binds in a
+    private directory (0700) beside it, the socket gets SOCKET_MODE there and is renamed into place.
+    A umask around the bind would do it too, but the umask is the process's, and other threads
+    create files meanwhile. Directories missing on the way are created SOCKET_DIR_MODE."""
+    missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=SOCKET_DIR_MODE)
+            os.chmod(directory, SOCKET_DIR_MODE)  # whatever the umask took away, or left
+    staging = Path(tempfile.mkdtemp(prefix=".kvb", dir=path.parent))
+    try:
+        bound = staging / "s"
+        server.add_insecure_port(f"unix:{bound}")
+        os.chmod(bound, SOCKET_MODE)
+        os.replace(bound, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return UnixSocket(path, os.stat(path).st_ino)
+
+
 def raise_fd_limit() -> int:
     """Raise this process's soft limit of open files to its hard limit, so that a flood of peer
     connections (bounded by max_peer_connections) leaves fds for the local API, engines' segments and
@@ -109,10 +142,6 @@ def peer_server_options(s: Settings) -> list[tuple[str, object]]:
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> str:
-    if address.startswith("unix:"):
-        Path(address.removeprefix("unix:").removeprefix("//")).parent.mkdir(parents=True, exist_ok=True)
-        server.add_insecure_port(address)
-        return address
     if credentials is not None:
         port = server.add_secure_port(address, credentials)
     else:
@@ -164,6 +193,7 @@ class BrokerServer:
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._peers: PeerClients | None = None
+        self._socket: UnixSocket | None = None
         self._trim = MemoryTrim()
         self.metrics = Metrics()
 
@@ -217,12 +247,14 @@ class BrokerServer:
         local_server = self._grpc_server(BROKER_SERVICE, local_options, Admission(local_limits, trim=self._trim))
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
             BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s), local_server)
-        listen = _bind(local_server, s.listen)
+        if s.listen.startswith("unix:"):
+            self._socket = bind_unix(local_server, Path(s.listen.removeprefix("unix:").removeprefix("//")))
+            listen = s.listen
+        else:
+            listen = _bind(local_server, s.listen)
 
         for server in self._servers:
             await server.start()
-        if listen.startswith("unix:"):
-            os.chmod(listen.removeprefix("unix:").removeprefix("//"), 0o660)
         metrics_listen = self.metrics.serve(s.metrics_listen) if s.metrics_listen else ""
         for servicer, name in zip(self._health, (PEER_SERVICE, BROKER_SERVICE)):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -256,6 +288,10 @@ class BrokerServer:
         if self.broker is not None:
             await self.broker.drain(grace)
         await asyncio.gather(*(server.stop(1.0) for server in self._servers))
+        if self._socket is not None:  # grpc removes the path it bound, which was renamed
+            with contextlib.suppress(OSError):
+                if os.stat(self._socket.path).st_ino == self._socket.inode:
+                    os.unlink(self._socket.path)
         if self._peers is not None:
             await self._peers.close()
         if self.broker is not None:
