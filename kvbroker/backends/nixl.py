@@ -6,6 +6,9 @@ The agent's own progress thread (which must run: a receiving broker never calls 
 its UCX worker has to progress for transports such as TCP) waits in poll() for UCX events with
 a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
 
+With data_port_range, the agent is built with UCX_TCP_PORT_RANGE and UCX_NET_DEVICES set to it and
+to the advertised host's interface plus the RDMA ports (ports.py), where the operator set neither.
+
 A peer's metadata is loaded by `connect` as a remote agent of its own, keyed by the agent name it
 carries and a digest of the whole metadata (`keyed_metadata`): handshakes that bring the same
 metadata share the agent, and metadata NIXL cannot load never touches another key's state. NIXL
@@ -33,6 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRef, PeerRefs, TransferFailed
 from kvbroker.model import Descriptors, MemoryKind, Region
 
@@ -52,6 +56,8 @@ class NixlBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
+        self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
+            if options.data_ports else {}
         self._agent = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._peers = PeerRefs()  # remote agents loaded, uses = transfers posted; on the NIXL thread only
@@ -69,9 +75,13 @@ class NixlBackend(Backend):
             nixl_log.handlers.clear()
             nixl_log.propagate = True
             nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
-            return new_agent(nixl_agent, nixl_agent_config, self._agent_name)
+            with ports.environment(self._environment) as applied:  # UCX reads it as the agent is built
+                return new_agent(nixl_agent, nixl_agent_config, self._agent_name), applied
 
-        self._agent = await self._call(create)
+        self._agent, applied = await self._call(create)
+        if self._environment:
+            log.info("NIXL agent's UCX listeners confined", extra={
+                "applied": applied, "operator_set": sorted(set(self._environment) - set(applied))})
 
     async def register(self, regions: Sequence[Region]) -> object:
         by_kind: dict[str, list[tuple[int, int, int, str]]] = {}
