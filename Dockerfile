@@ -24,6 +24,12 @@ RUN apt-get update \
 
 FROM base AS build
 ARG FLAVOR
+# gcc compiles kvbroker's one C extension, the SIGBUS guard (kvbroker/_memguard.c); it stays in this
+# stage. Versions follow the base image's Debian release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # CPU flavor: torch comes from PyTorch's CPU index (constraints/cpu.txt pins the version), else pip
 # would take the multi-GB CUDA build that NIXL's dependency on torch pulls in.
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -32,7 +38,7 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY clients/python clients/python
 RUN pip install --no-cache-dir ./clients/python
-COPY pyproject.toml ./
+COPY pyproject.toml setup.py ./
 COPY constraints constraints
 COPY kvbroker kvbroker
 RUN case "$FLAVOR" in \

@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker.backends.base import Backend
+from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, invalid, not_found
+from kvbroker.memory import check_segments
 from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
 from kvbroker.peer_link import PeerLink
 from kvbroker.registry import Engine, Registry
@@ -87,7 +88,10 @@ class Broker:
         await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
-            await self._release(engine)
+            try:
+                await self._release(engine)
+            except BrokerError as exc:  # the other engines are still released
+                log.warning("engine %s: %s", engine.engine_id, exc.message)
         await self.backend.close()
 
     async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:
@@ -98,7 +102,10 @@ class Broker:
             self.registry.check(spec)
             engine = await _in_thread(self.registry.materialise, spec, undo=lambda e: e.release())
             try:
-                engine.backend_handle = await self.backend.register(engine.regions)
+                try:
+                    engine.backend_handle = await self.backend.register(engine.regions)
+                except TransferFailed as exc:
+                    raise self._engine_failed(exc) from exc
                 session = self._sessions.get(session_id)  # it may have ended while the memory was mapped
                 engine.session_id = session_id
                 self.registry.add(engine)
@@ -130,8 +137,15 @@ class Broker:
     async def _release(self, engine: Engine) -> None:
         if engine.backend_handle is not None:
             handle, engine.backend_handle = engine.backend_handle, None
-            await self.backend.deregister(handle)
+            try:
+                await self.backend.deregister(handle)
+            except TransferFailed as exc:  # the memory stays mapped: the engine may still reach it
+                raise self._engine_failed(exc) from exc
         await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
+
+    def _engine_failed(self, exc: TransferFailed) -> BrokerError:
+        """A transfer engine's failure, at any call, as the caller sees it: ABORTED, in the engine's words."""
+        return BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}")
 
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
@@ -150,6 +164,7 @@ class Broker:
         self._check_accepting()
         check_identifier(request_id, "request_id")
         engine = self.registry.get(engine_id)
+        check_segments(engine.held, engine_id)
         kinds = check_components(components, "components")
         num_pages = registered_pages(engine.layout, kinds)
         check_page_ids(dst_page_ids, "dst_page_ids", num_pages, self.limits.max_pages_per_request, unique=True)
@@ -176,6 +191,7 @@ class Broker:
               dst_page_ids: np.ndarray, claimant: str) -> tuple[Grant, int]:
         self._check_accepting()
         engine = self.registry.get(engine_id)
+        check_segments(engine.held, engine_id)
         grant = self.table.claim(engine_id, request_id, tuple(components), dst_page_ids, claimant)
         return grant, engine.generation
 
@@ -190,6 +206,12 @@ class Broker:
         if not claimed and (succeeded or record.state is not TransferState.PENDING):
             raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
         if succeeded:
+            if (engine := self.registry.find(engine_id)) is not None:
+                try:  # the write may have crossed a segment shrunk meanwhile: its bytes are not there
+                    check_segments(engine.held, engine_id)
+                except BrokerError as exc:
+                    self.table.fail(record, exc.code, exc.message)
+                    raise
             self.table.succeed(record, pages=pages, runs=runs, nbytes=nbytes, truncated=truncated)
         else:
             self.table.fail(record, code or Code.ABORTED, f"sender {claimant!r} failed: {reason}")

@@ -5,6 +5,7 @@ The sending side is peer_clients.py."""
 from __future__ import annotations
 
 from kvbroker import convert
+from kvbroker.backends.base import TransferFailed
 from kvbroker.broker import Broker
 from kvbroker.edge import translate_errors
 from kvbroker.errors import BrokerError, Code
@@ -23,10 +24,13 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
             raise BrokerError(Code.FAILED_PRECONDITION,
                               f"backend: caller uses {request.backend!r}, this broker uses {backend.name!r}")
         engine = self._broker.handshake_view(request.engine_id)
+        try:
+            metadata = await backend.metadata()
+        except TransferFailed as exc:
+            raise BrokerError(Code.ABORTED, f"transfer engine {backend.name}: {exc}") from exc
         return ppb.HandshakeResponse(
             broker_id=self._broker.broker_id, epoch=self._broker.epoch, generation=engine.generation,
-            backend=backend.name, backend_metadata=await backend.metadata(),
-            engine=convert.engine_layout_out(engine.layout),
+            backend=backend.name, backend_metadata=metadata, engine=convert.engine_layout_out(engine.layout),
         )
 
     @translate_errors

@@ -4,7 +4,9 @@
 and refuses a taken id and overlaps with other engines (on the event loop); `Registry.materialise`
 allocates a broker-owned pool when the engine asks for one and resolves memory references
 (memory.py; blocking, so in a worker thread); the Broker then registers the regions with the
-transfer engine and `add`s the engine. Called by the Broker only.
+transfer engine and `add`s the engine, which checks overlaps again against the files actually
+mapped. Overlaps compare memory by identity: a segment is its file's (st_dev, st_ino), whatever
+name (hard link) it was registered by. Called by the Broker only.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +26,7 @@ from kvbroker.memory import (
     MappedSegment,
     map_shared_memory,
     plan_pool,
+    segment_identity,
 )
 from kvbroker.model import (
     BufferLayout,
@@ -58,6 +62,11 @@ class Engine:
     def registered_bytes(self) -> int:
         return sum(r.length for r in self.regions)
 
+    @property
+    def segment_identities(self) -> dict[str, tuple[int, int]]:
+        """The file each segment name resolved to when it was mapped: (st_dev, st_ino)."""
+        return {h.name: h.identity for h in self.held if isinstance(h, MappedSegment)}
+
     def release(self) -> None:
         _close_all(self.held)
 
@@ -79,7 +88,7 @@ def _close_all(held: list[Held]) -> None:
 
 @dataclass
 class _Span:
-    memory: tuple  # ("shm", name) or ("cuda", device, handle): the spans of one memory may not overlap
+    memory: tuple  # ("shm", dev, ino), ("shm-name", name) or ("cuda", device, handle): spans of one may not overlap
     label: str  # the memory, for messages
     start: int
     end: int
@@ -132,7 +141,7 @@ class Registry:
         validate_spec(spec, self._max_pages)
         if spec.engine_id in self._engines:
             raise BrokerError(Code.ALREADY_EXISTS, f"engine_id: engine {spec.engine_id!r} is already registered")
-        self._check_overlaps(self._spans(spec))
+        self._check_overlaps(self._spans(spec, segment_identity))
 
     def materialise(self, spec: EngineSpec) -> Engine:
         """Map a `check`ed engine: allocate its pool, map segments, open CUDA allocations. It makes
@@ -180,6 +189,8 @@ class Registry:
     def add(self, engine: Engine) -> None:
         if engine.engine_id in self._engines:
             raise BrokerError(Code.ALREADY_EXISTS, f"engine_id: engine {engine.engine_id!r} is already registered")
+        # `check` resolved names by stat; a name may point at another file by the time it was opened
+        self._check_overlaps(self._spans(engine.spec, engine.segment_identities.get))
         self._engines[engine.engine_id] = engine
         if self._observer is not None:
             self._observer.engine_added(engine)
@@ -192,14 +203,20 @@ class Registry:
         return engine
 
     @staticmethod
-    def _spans(spec: EngineSpec) -> list[_Span]:
+    def _spans(spec: EngineSpec, identity: Callable[[str], tuple[int, int] | None]) -> list[_Span]:
+        """The byte ranges a spec claims, each keyed by its memory; `identity` resolves a segment name to its file."""
         spans = []
+        files: dict[str, tuple[int, int] | None] = {}  # one stat per segment, not per buffer
         for i, comp in enumerate(spec.components):
             for j, buf in enumerate(comp.layer_buffers):
                 where = f"components[{i}].layer_buffers[{j}] (layer {buf.layer_id}, {buf.role.name})"
                 m = buf.memory
                 if isinstance(m, SharedMemoryRef):
-                    spans.append(_Span(("shm", m.name), f"segment {m.name!r}", m.offset, m.offset + buf.length,
+                    if m.name not in files:
+                        files[m.name] = identity(m.name)
+                    file = files[m.name]  # None: no such file; mapping it will say so
+                    memory = ("shm-name", m.name) if file is None else ("shm", *file)
+                    spans.append(_Span(memory, f"segment {m.name!r}", m.offset, m.offset + buf.length,
                                        spec.engine_id, where))
                 elif isinstance(m, CudaIpcRef):
                     spans.append(_Span(("cuda", m.device, bytes(m.handle)),
@@ -208,14 +225,16 @@ class Registry:
         return spans
 
     def _check_overlaps(self, spans: list[_Span]) -> None:
-        others = [s for engine in self._engines.values() for s in self._spans(engine.spec)]
+        others = [s for engine in self._engines.values()
+                  for s in self._spans(engine.spec, engine.segment_identities.get)]
         ordered = sorted(spans + others, key=lambda s: (s.memory, s.start))
         for a, b in itertools.pairwise(ordered):
             if a.memory == b.memory and b.start < a.end:
                 new, old = (a, b) if a in spans else (b, a)
                 owner = "" if old.engine_id == new.engine_id else f" of engine {old.engine_id!r}"
+                same = "" if old.label == new.label else f" (the same file as {old.label}: a hard link)"
                 raise invalid(
-                    f"{new.where}.memory: overlaps {old.where}{owner} in {new.label} "
+                    f"{new.where}.memory: overlaps {old.where}{owner} in {new.label}{same} "
                     f"([{new.start}, {new.end}) and [{old.start}, {old.end}))"
                 )
 
@@ -250,4 +269,5 @@ class _Resolver:
         if m.offset + buf.length > seg.size:
             raise invalid(f"{at}.shared_memory: offset {m.offset} + length {buf.length} "
                           f"exceeds segment {m.name!r} of {seg.size} bytes")
+        seg.reserve(m.offset, buf.length, f"{at}.shared_memory")
         return seg.address + m.offset, MemoryKind.HOST, 0

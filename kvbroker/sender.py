@@ -9,7 +9,8 @@ phases, each a short method:
     rules    every topology rule of topology.py; a failing cached handshake is refreshed once
     claim    the receiver's grant (PeerLink.claim); a changed epoch or generation refreshes the handshake
     plan     page lists → runs → descriptors (planner.plan_transfer, pure)
-    write    TRANSFERRING, then the transfer engine moves the bytes (Backend.write)
+    write    TRANSFERRING, then the transfer engine moves the bytes (Backend.write); the engine's
+             segments are checked before and after (memory.check_segments: shrunk or poisoned)
     notify   CompleteTransfer to the receiver (PeerLink.complete), then SUCCEEDED
 
 Any failure fails the record with the code and message of what raised; once the peer was reached,
@@ -28,6 +29,7 @@ import numpy as np
 from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, invalid
+from kvbroker.memory import check_segments
 from kvbroker.model import Component, TransferState
 from kvbroker.peer_link import PeerLink, PeerSession
 from kvbroker.planner import TransferPlan, plan_transfer
@@ -85,6 +87,7 @@ class Sender:
         if not cmd.peer_address:
             raise invalid("peer_address: the peer broker's address is required")
         engine = self._registry.get(cmd.engine_id)
+        check_segments(engine.held, cmd.engine_id)
         kinds = check_components(cmd.components, "components")
         num_pages = registered_pages(engine.layout, kinds)
         check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self._limits.max_pages_per_request,
@@ -170,15 +173,18 @@ class Sender:
         return session, claimed.grant
 
     async def _write(self, job: _Send, session: PeerSession, grant: Grant, plan: TransferPlan) -> None:
+        check_segments(job.engine.held, job.cmd.engine_id)
         self._table.start(job.record)
         write_budget = min(job.left(), grant.remaining_s)
         try:
             await self._backend.write(session.peer_handle, plan.descriptors, write_budget)
         except TransferFailed as exc:
+            check_segments(job.engine.held, job.cmd.engine_id)  # a shrunk source is the cause to report
             raise BrokerError(Code.ABORTED, f"transfer engine {self._backend.name}: {exc}") from exc
         except TimeoutError as exc:  # the caller's deadline, or an engine that stopped making progress
             code = Code.DEADLINE_EXCEEDED if job.caller_bound and job.left() <= 0.01 else Code.ABORTED
             raise BrokerError(code, f"transfer engine {self._backend.name}: {exc}") from exc
+        check_segments(job.engine.held, job.cmd.engine_id)  # shrunk during the write: zeros may have been sent
 
     async def _notify(self, job: _Send, plan: TransferPlan) -> None:
         """Tell the receiver what was written; the request succeeds once it agrees."""

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.tools import shapes
-from kvbroker.tools.launch import BrokerProcess, start_broker
+from kvbroker.tools.launch import BrokerProcess, exit_report, start_broker, stop_all
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
@@ -63,8 +63,17 @@ async def open_broker(name: str, backend: str, *args: str, **options) -> Broker:
 
 
 async def close_broker(broker: Broker) -> int:
+    """Its exit code; ChildDied (with how it ended and its stderr tail) if it died unasked."""
     await broker.channel.close()
     return await broker.process.stop()
+
+
+async def close_brokers(*brokers: Broker) -> list[int]:
+    """Close every one, then raise for those that died: one broker's death never leaks the others."""
+    for broker in brokers:
+        await broker.channel.close()
+    await stop_all(b.process for b in brokers)
+    return [b.process.process.returncode for b in brokers]
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -72,8 +81,7 @@ async def brokers(backend: str) -> AsyncIterator[BrokerPair]:
     prefill = await open_broker(f"prefill-{backend}", backend)
     decode = await open_broker(f"decode-{backend}", backend)
     yield BrokerPair(backend, prefill, decode)
-    for broker in (prefill, decode):
-        await close_broker(broker)
+    await close_brokers(prefill, decode)
 
 
 @dataclass
@@ -171,7 +179,7 @@ async def run_engines_in_child(module: str, function: str, backend: str, timeout
 
     code = (f"import asyncio, json, os, sys; from {module} import {function}; "
             f"print(json.dumps(asyncio.run({function}(sys.argv[1]))), flush=True); os._exit(0)")
-    child = await asyncio.create_subprocess_exec(sys.executable, "-c", code, backend,
+    child = await asyncio.create_subprocess_exec(sys.executable, "-X", "faulthandler", "-c", code, backend,
                                                  cwd=REPO_ROOT,
                                                  stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     try:
@@ -180,5 +188,6 @@ async def run_engines_in_child(module: str, function: str, backend: str, timeout
         if child.returncode is None:
             child.kill()
             await child.wait()
-    assert child.returncode == 0, err.decode(errors="replace")[-3000:]
+    assert child.returncode == 0, exit_report(f"{module}.{function}({backend!r}) in a child", child.returncode,
+                                              err.decode(errors="replace").splitlines())
     return json.loads(out.decode().strip().splitlines()[-1])

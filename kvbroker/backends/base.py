@@ -39,7 +39,9 @@ class BackendOptions:
 
 
 class TransferFailed(Exception):
-    """The transfer engine reported a failure; the message carries the engine's word."""
+    """The transfer engine reported a failure; the message carries the engine's word. Every call of a
+    backend raises it for whatever its engine raises or returns as an error, so the broker can report
+    each as ABORTED: an engine's failure is never INTERNAL, which is kept for kvbroker's own bugs."""
 
 
 class Backend(abc.ABC):

@@ -149,7 +149,11 @@ class MooncakeBackend(Backend):
             for r in regions:
                 # GPU memory is named by its device; for host memory "*" lets the engine find the NUMA node.
                 location = f"cuda:{r.device}" if r.gpu else "*"
-                rc = self._engine.register_memory(r.address, r.length, location)
+                try:
+                    rc = self._engine.register_memory(r.address, r.length, location)
+                except Exception as exc:  # the binding raises for arguments it cannot take
+                    _unregister(self._engine, done)
+                    raise _failed(f"Mooncake register_memory({r.address:#x}, {r.length}, {location!r})", exc) from exc
                 if rc != 0:
                     _unregister(self._engine, done)
                     raise TransferFailed(f"Mooncake register_memory({r.address:#x}, {r.length}, {location!r}) "
@@ -263,10 +267,18 @@ class MooncakeBackend(Backend):
 
 
 def _write_batch(engine, peer: str, src: np.ndarray, dst: np.ndarray, start: int, total: int) -> None:
-    rc = engine.batch_transfer_sync_write(peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist())
+    where = f"descriptors {start}..{start + len(src) - 1} of {total}"
+    try:
+        rc = engine.batch_transfer_sync_write(peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist())
+    except Exception as exc:  # the binding raises rather than returns for some failures
+        raise _failed(f"Mooncake batch_transfer_sync_write to {peer} ({where})", exc) from exc
     if rc != 0:
-        raise TransferFailed(f"Mooncake batch_transfer_sync_write to {peer} returned {rc} "
-                             f"(descriptors {start}..{start + len(src) - 1} of {total})")
+        raise TransferFailed(f"Mooncake batch_transfer_sync_write to {peer} returned {rc} ({where})")
+
+
+def _failed(call: str, exc: Exception) -> TransferFailed:
+    """An exception of the Mooncake binding as the broker reports it: the call, in the engine's words."""
+    return TransferFailed(f"{call} raised {type(exc).__name__}: {exc}")
 
 
 def _wrap(future: concurrent.futures.Future) -> asyncio.Future:
@@ -288,6 +300,10 @@ def _pending_or_raise(futures: list[concurrent.futures.Future]) -> list[concurre
 
 def _unregister(engine, addresses: Sequence[int]) -> None:
     for address in addresses:
-        rc = engine.unregister_memory(address)
+        try:
+            rc = engine.unregister_memory(address)
+        except Exception as exc:  # as for a non-zero return: logged, and the other regions still go
+            log.warning("Mooncake unregister_memory(%#x) raised %s: %s", address, type(exc).__name__, exc)
+            continue
         if rc != 0:  # nothing to undo: the region is gone from the engine's view either way
             log.warning("Mooncake unregister_memory(%#x) returned %d", address, rc)

@@ -92,17 +92,26 @@ class NixlBackend(Backend):
         def register_all():
             return [self._agent.register_memory(descs, kind) for kind, descs in by_kind.items()]
 
-        return await self._call(register_all)
+        try:
+            return await self._call(register_all)
+        except Exception as exc:  # nixl raises its own error types
+            raise _failed("NIXL refused to register memory", exc) from exc
 
     async def deregister(self, handle: object) -> None:
         def deregister_all():
             for reg in handle:
                 self._agent.deregister_memory(reg)
 
-        await self._call(deregister_all)
+        try:
+            await self._call(deregister_all)
+        except Exception as exc:  # nixl raises its own error types
+            raise _failed("NIXL could not deregister memory", exc) from exc
 
     async def metadata(self) -> bytes:
-        return await self._call(self._agent.get_agent_metadata)
+        try:
+            return await self._call(self._agent.get_agent_metadata)
+        except Exception as exc:  # nixl raises its own error types
+            raise _failed("NIXL could not give its metadata", exc) from exc
 
     async def connect(self, metadata: bytes) -> object:
         key, keyed = keyed_metadata(metadata)
@@ -117,7 +126,7 @@ class NixlBackend(Backend):
         try:
             return await self._call(load)
         except Exception as exc:  # nixl raises its own error types for metadata it cannot load
-            raise TransferFailed(f"NIXL refused the peer's metadata: {type(exc).__name__}: {exc}") from exc
+            raise _failed("NIXL refused the peer's metadata", exc) from exc
 
     async def disconnect(self, peer: object) -> None:
         def unload():
@@ -182,7 +191,7 @@ class NixlBackend(Backend):
             posting.add_done_callback(lambda f: f.cancelled() or f.exception() or self._finish_later(peer, f))
             raise
         except Exception as exc:  # nixl raises its own error types for refused descriptors
-            raise TransferFailed(f"NIXL refused the transfer: {type(exc).__name__}: {exc}") from exc
+            raise _failed("NIXL refused the transfer", exc) from exc
         try:
             delay = POLL_FIRST_S
             while state == "PROC":
@@ -190,7 +199,10 @@ class NixlBackend(Backend):
                     raise TimeoutError(f"NIXL transfer still in progress after {timeout:.3f}s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, POLL_MAX_S)
-                state = await self._call(self._agent.check_xfer_state, handle)
+                try:
+                    state = await self._call(self._agent.check_xfer_state, handle)
+                except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
+                    raise _failed("NIXL failed the transfer while it ran", exc) from exc
             if state != "DONE":
                 raise TransferFailed(f"NIXL reported transfer state {state}")
         finally:
@@ -242,6 +254,11 @@ def new_agent(nixl_agent, nixl_agent_config, name: str):
             return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         finally:
             bindings.nixlAgent = native
+
+
+def _failed(what: str, exc: Exception) -> TransferFailed:
+    """An exception of the nixl bindings as the broker reports it: what failed, in NIXL's words."""
+    return TransferFailed(f"{what}: {type(exc).__name__}: {exc}")
 
 
 AGENT_HEADER = b"nixlSerDes|Agent"  # NIXL's serialized metadata opens with its agent's name, length-prefixed

@@ -38,6 +38,7 @@ import numpy as np
 from kvbroker.tools import shapes
 from kvbroker.tools.bench_children import Child
 from kvbroker.tools.bench_report import judge, machine, render
+from kvbroker.tools.launch import ChildDied, stop_all
 from kvbroker.tools.shapes import (
     ALL,
     BENCH_CONTROL,
@@ -93,13 +94,22 @@ class Side:
     direct2_rx: Child | None = None
 
     async def close(self) -> None:
+        """Close all of it, whatever dies on the way; then raise one ChildDied for every child that died."""
         for client in (self.p_client, self.d_client):
             await client.close()
+        deaths = []
         for child in (self.direct, self.direct2_tx, self.direct2_rx):
             if child is not None:
-                await child.stop()
-        for broker in (self.prefill, self.decode):
-            await broker.stop()
+                try:
+                    await child.stop()
+                except ChildDied as exc:
+                    deaths.append(str(exc))
+        try:
+            await stop_all((self.prefill, self.decode))
+        except ChildDied as exc:
+            deaths.append(str(exc))
+        if deaths:
+            raise ChildDied("\n".join(deaths))
 
 
 async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
@@ -111,9 +121,7 @@ async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
                                    start_broker(f"bench-decode-{backend}", *flags), return_exceptions=True)
     failed = [s for s in started if isinstance(s, BaseException)]
     if failed:
-        for broker in started:
-            if not isinstance(broker, BaseException):
-                await broker.stop()
+        await stop_all(b for b in started if not isinstance(b, BaseException))
         raise failed[0]
     prefill, decode = started
     p_client = await BrokerClient.connect(prefill.listen, transfer_timeout=timeout)
@@ -399,7 +407,7 @@ async def registration(sides: list[Side], plan: Plan, say) -> dict:
     rows = []
     for side in sides:
         register_s, unregister_s = [], []
-        with SharedSegment.create(size, "kvb-bench-reg") as seg:  # never touched: pages stay unallocated
+        with SharedSegment.create(size, "kvb-bench-reg") as seg:  # allocated at creation, as servers should
             for rep in range(plan.registration_repeats):
                 engine_id = f"bench-reg-{rep}"
                 request = shapes.register_request(engine_id, shape, seg, placements)
@@ -494,7 +502,11 @@ async def _bench(args: argparse.Namespace) -> int:
             seconds[name] = round(time.perf_counter() - started, 2)
     finally:
         for side in sides:
-            await side.close()
+            try:
+                await side.close()
+            except ChildDied as exc:  # reported; the other sides are still closed
+                report["errors"].append(f"close {side.backend}: {exc}")
+                say(f"close {side.backend}: FAILED: {exc}")
     report["targets"] = judge(report)
     text = json.dumps(report, indent=1)
     if args.out:

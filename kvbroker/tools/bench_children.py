@@ -25,11 +25,13 @@ from pathlib import Path
 import numpy as np
 
 from kvbroker.tools import shapes
+from kvbroker.tools.launch import FATAL_TAIL_LINES, ChildDied, exit_report
 from kvbroker.tools.shapes import ALL, MiB, engine_buffers
 
 
 class Child:
-    """A `python -m kvbroker.tools.bench_children ...` process: one JSON line in, one JSON line out."""
+    """A `python -m kvbroker.tools.bench_children ...` process: one JSON line in, one JSON line out. A
+    child that dies raises ChildDied from `reply` (or `stop`), saying how it ended, with its stderr tail."""
 
     def __init__(self, process: asyncio.subprocess.Process, what: str) -> None:
         self.process = process
@@ -37,24 +39,36 @@ class Child:
         self.timeout = 600.0
         self.stderr: list[str] = []
         self._drain = asyncio.create_task(self._read_stderr())
+        self._reported = False  # its death was raised already
 
     @classmethod
     async def start(cls, *args: str) -> Child:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kvbroker.tools.bench_children", *args, stdin=asyncio.subprocess.PIPE,
+            sys.executable, "-X", "faulthandler", "-m", "kvbroker.tools.bench_children", *args,
+            stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=64 * MiB,
             env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")})
         return cls(process, " ".join(args[:1]))
 
     async def _read_stderr(self) -> None:
         while line := await self.process.stderr.readline():
-            self.stderr = (self.stderr + [line.decode(errors="replace").rstrip()])[-40:]
+            self.stderr = (self.stderr + [line.decode(errors="replace").rstrip()])[-FATAL_TAIL_LINES:]
+
+    def _died(self, when: str = "") -> ChildDied:
+        self._reported = True
+        return ChildDied(exit_report(f"bench child {self.what} (pid {self.process.pid})", self.process.returncode,
+                                     self.stderr, when))
 
     async def reply(self, timeout: float) -> dict:
         line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
         if not line:
             await asyncio.wait([self._drain], timeout=5)
-            raise RuntimeError(f"bench child {self.what} exited:\n" + "\n".join(self.stderr[-20:]))
+            try:
+                await asyncio.wait_for(self.process.wait(), 5)
+            except TimeoutError:  # it closed its stdout but lives on: ended here, and said so
+                self.process.kill()
+                await self.process.wait()
+            raise self._died("before it answered")
         answer = json.loads(line)
         if not answer.get("ok", True):
             raise RuntimeError(f"bench child {self.what}: {answer['error']}")
@@ -66,14 +80,20 @@ class Child:
         return await self.reply(self.timeout)
 
     async def stop(self) -> None:
+        """Close its stdin and wait for it to exit (SIGKILL after 30 s); ChildDied if it did not exit 0."""
+        hung = False
         if self.process.returncode is None:
             try:
                 self.process.stdin.close()
                 await asyncio.wait_for(self.process.wait(), 30)
             except (TimeoutError, ConnectionError):
+                hung = True
                 self.process.kill()
                 await self.process.wait()
+        await asyncio.wait([self._drain], timeout=5)
         self._drain.cancel()
+        if (hung or self.process.returncode != 0) and not self._reported:
+            raise self._died("after it ignored its closed stdin for 30 s" if hung else "after its stdin closed")
 
 
 def _protocol_stream():

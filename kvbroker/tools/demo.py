@@ -16,7 +16,7 @@ import time
 import grpc
 import numpy as np
 
-from kvbroker.tools.launch import start_broker
+from kvbroker.tools.launch import start_broker, stop_all
 from kvbroker.tools.shapes import (
     CANARY,
     PRESETS,
@@ -41,10 +41,13 @@ async def run(preset: str, backend: str, seed: int, as_json: bool) -> int:
     prefill = decode = None
     with SharedSegment.create(size, "kvb-prefill") as src_seg, SharedSegment.create(size, "kvb-decode") as dst_seg:
         try:
-            prefill, decode = await asyncio.gather(
+            started = await asyncio.gather(
                 start_broker("prefill", "--backend", backend, "--log-level", "WARNING"),
                 start_broker("decode", "--backend", backend, "--log-level", "WARNING"),
-            )
+                return_exceptions=True)
+            prefill, decode = (None if isinstance(b, BaseException) else b for b in started)
+            for failure in (b for b in started if isinstance(b, BaseException)):
+                raise failure
             fill_random(src_seg.array, rng)
             dst_seg.array[:] = CANARY
             before = dst_seg.array.copy()
@@ -72,9 +75,7 @@ async def run(preset: str, backend: str, seed: int, as_json: bool) -> int:
                                             src_ids, dst_ids)
             mismatched = int(np.count_nonzero(dst_seg.array != expected))
         finally:
-            for broker in (prefill, decode):
-                if broker is not None:
-                    await broker.stop()
+            await stop_all((prefill, decode))  # a broker that died says how, with its stderr tail
     status = reply.status
     figures = {
         "preset": shape.name, "backend": backend,

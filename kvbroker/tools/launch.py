@@ -1,18 +1,51 @@
 """Starting and stopping broker processes: for the demo, the benchmarks and the integration tests.
 
 `start_broker` spawns `python -m kvbroker serve` on loopback with port 0 and waits (bounded) for
-its ready line; `BrokerProcess.stop` sends SIGTERM and waits, then kills if it must.
+its ready line; `BrokerProcess.stop` sends SIGTERM and waits, then kills if it must; `stop_all`
+stops several. A broker that dies unasked is logged when it dies, and `stop` raises ChildDied for
+it. `exit_description` and `exit_report` say how any child process ended, for every tool's errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+STDERR_TAIL_LINES = 20
+FATAL_TAIL_LINES = 200  # faulthandler's report of a fatal signal: the error line, then every thread's stack
+
+
+def exit_description(returncode: int) -> str:
+    """How a child process ended: "exited with code 1", "exited with signal SIGSEGV (-11)"."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"exited with signal {name} ({returncode})"
+
+
+def exit_report(what: str, returncode: int, stderr_lines: Sequence[str], when: str = "") -> str:
+    """`what` and how it ended, with the last lines it wrote on stderr (from faulthandler's "Fatal
+    Python error" on, when it wrote one): the message of a child's death."""
+    recent = list(stderr_lines)[-FATAL_TAIL_LINES:]
+    fatal = [i for i, line in enumerate(recent) if line.startswith("Fatal Python error")]
+    tail = recent[fatal[-1]:] if fatal else recent[-STDERR_TAIL_LINES:]
+    said = "its last stderr lines:\n" + "\n".join(tail) if tail else "nothing on its stderr"
+    return f"{what} {exit_description(returncode)}{' ' + when if when else ''}; {said}"
+
+
+class ChildDied(RuntimeError):
+    """A child process ended other than as asked; the message says how, with its stderr tail."""
 
 
 @dataclass
@@ -24,26 +57,73 @@ class BrokerProcess:
     _stderr_task: asyncio.Task | None = field(default=None, repr=False)
     stderr_lines: list[str] = field(default_factory=list, repr=False)  # stdout's lines after ready, too
     metrics_listen: str = ""  # the metrics endpoint as bound, when started with --metrics-listen
+    _asked: str = field(default="", repr=False)  # "stop" or "kill" once we ended it; empty: nobody asked
+    _watch: asyncio.Task | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._watch = asyncio.ensure_future(self._log_unasked_death())
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
+    def exit_report(self, when: str = "") -> str:
+        """How the broker ended, with its stderr tail; only once it has."""
+        return exit_report(f"broker {self.broker_id} (pid {self.pid})", self.process.returncode, self.stderr_lines,
+                           when)
+
+    async def _log_unasked_death(self) -> None:
+        """Say so the moment the broker dies unasked, whoever holds it and however it is stopped later."""
+        code = await self._ended()
+        if code != 0 and not self._asked:
+            log.error("%s", self.exit_report())
+
     async def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout`; the exit code. Raises ChildDied when the broker
+        ended other than as asked: it died before (except by `kill`), failed its shutdown, or hung."""
+        if self._asked == "kill":
+            return await self._ended()
+        when = ""  # it ended by itself
         if self.process.returncode is None:
+            self._asked, when = "stop", "after SIGTERM"
             self.process.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.process.wait(), timeout)
             except TimeoutError:
-                self.process.kill()
-                await self.process.wait()
+                when = f"after it ignored SIGTERM for {timeout:g}s"
+                if self.process.returncode is None:
+                    self.process.kill()
+        code = await self._ended()
+        if code != 0:
+            raise ChildDied(self.exit_report(when))
+        return code
+
+    async def _ended(self) -> int:
+        """Its exit code, once it has exited and its last lines are read."""
+        code = await self.process.wait()
         if self._stderr_task is not None:
             await asyncio.wait([self._stderr_task], timeout=5)
-        return self.process.returncode
+        return code
 
     def kill(self) -> None:
+        """SIGKILL; `stop` then reports nothing of how it ended (a death before it is logged already)."""
+        self._asked = "kill"
         if self.process.returncode is None:
             self.process.kill()
+
+
+async def stop_all(brokers: Iterable[BrokerProcess | None]) -> None:
+    """Stop every broker given (None: one never started), then raise one ChildDied for all that died."""
+    deaths = []
+    for broker in brokers:
+        if broker is None:
+            continue
+        try:
+            await broker.stop()
+        except ChildDied as exc:
+            deaths.append(str(exc))
+    if deaths:
+        raise ChildDied("\n".join(deaths))
 
 
 async def _drain(stream: asyncio.StreamReader, sink: list[str], echo: bool) -> None:
@@ -63,7 +143,8 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
     `prefix` runs the broker under another command (e.g. a network-namespace wrapper); with `gate`,
     that wrapper reads one line from stdin before starting the broker, and `gate(pid)` runs first.
     """
-    command = [*prefix, sys.executable, "-m", "kvbroker", "serve", "--broker-id", broker_id,
+    # faulthandler: a broker killed by a fatal signal leaves its Python stacks in its stderr tail.
+    command = [*prefix, sys.executable, "-X", "faulthandler", "-m", "kvbroker", "serve", "--broker-id", broker_id,
                "--listen", f"{host}:0", "--peer-listen", f"{host}:0", *args]
     process = await asyncio.create_subprocess_exec(
         *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -87,7 +168,13 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
             line = await asyncio.wait_for(process.stdout.readline(), timeout)
             if not line:
                 await asyncio.wait([stderr_task], timeout=5)
-                raise RuntimeError(f"broker {broker_id} exited before it was ready:\n" + "\n".join(lines[-30:]))
+                try:
+                    code = await asyncio.wait_for(process.wait(), 5)
+                except TimeoutError:  # it closed its stdout but lives on: ended here, and said so
+                    process.kill()
+                    code = await process.wait()
+                raise ChildDied(exit_report(f"broker {broker_id} (pid {process.pid})", code, lines,
+                                            "before it was ready"))
             try:
                 ready = json.loads(line)
             except ValueError:
@@ -95,7 +182,8 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
             if ready.get("event") == "ready":
                 break
     except BaseException:
-        process.kill()
+        if process.returncode is None:
+            process.kill()
         await process.wait()
         stderr_task.cancel()
         raise

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import zipfile
 
 import pytest
 
@@ -130,6 +131,9 @@ def test_build_context_builds_both_packages(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert sorted(p.name.split("-")[0] for p in (tmp_path / "wheels").glob("*.whl")) == [
         "kvbroker", "kvbroker_client"]
+    (daemon,) = (tmp_path / "wheels").glob("kvbroker-*.whl")
+    with zipfile.ZipFile(daemon) as wheel:  # the SIGBUS guard is compiled into it
+        assert [n for n in wheel.namelist() if n.startswith("kvbroker/_memguard.") and n.endswith(".so")]
 
 
 @pytest.mark.integration

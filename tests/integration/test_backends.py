@@ -23,6 +23,7 @@ from kvbroker.backends import create_backend
 from kvbroker.config import Settings
 from kvbroker.model import Descriptors, Region
 from kvbroker.tools import shapes
+from kvbroker.tools.launch import exit_report
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, expected_after, run_engines_in_child
@@ -169,7 +170,8 @@ async def test_mooncake_abandons_a_stuck_batch_after_the_brokers_transfer_timeou
             if child is not None and child.returncode is None:
                 child.kill()
                 await child.wait()
-    assert sender.returncode == 0, err.decode(errors="replace")[-3000:]
+    assert sender.returncode == 0, exit_report("the sender", sender.returncode,
+                                               err.decode(errors="replace").splitlines())
     seen = json.loads(out.decode().strip().splitlines()[-1])
     assert seen["outcome"].startswith("TransferFailed: ") and ENGINE_WORD["mooncake"] in seen["outcome"], seen
     # the engine's limit: 6 s, plus 1 ns per byte of the batch, plus the thread's return

@@ -90,6 +90,36 @@ async def test_receiver_killed_mid_transfer_ends_the_transfer_within_its_deadlin
     assert final[-1].state == pb.TRANSFER_STATE_FAILED and final[-1].reason
 
 
+async def test_receiver_killed_while_its_engine_moves_bytes_over_tcp_is_an_engine_error(backend, engines, request_id):
+    """The engine fails the write as it runs (NIXL: while polling the transfer's state): the caller sees
+    ABORTED or UNAVAILABLE with the engine's word, never INTERNAL, and the sender logs no traceback."""
+    tcp = {"UCX_TLS": "tcp"}  # over UCX's shared memory a dead receiver's pages are still there to write
+    prefill = await open_broker(f"prefill-tcp-{backend}", backend, env=tcp)
+    decode = await open_broker(f"decode-tcp-{backend}", backend, "--peer-rpc-timeout-s", "2", env=tcp)
+    try:
+        src = await engines.make(prefill, "prefill", MEDIUM)
+        dst = await engines.make(decode, "decode", MEDIUM, fill="canary")
+        ids = np.arange(MEDIUM.request_pages)
+        await grant(dst, request_id, ids)
+        expected = expected_after(src, dst, dst.segment.array.copy(), ALL, ids, ids)
+        sending = asyncio.ensure_future(transfer(src, dst, request_id, ids, timeout=30))
+        await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
+        decode.process.process.send_signal(signal.SIGSTOP)  # nothing lands from here on
+        assert not np.array_equal(dst.segment.array, expected), "the write ended before the receiver was stopped"
+        decode.process.kill()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(sending, 40)
+        code, details = info.value.code(), info.value.details()
+        assert code in (grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), (code, details)
+        assert f"transfer engine {backend}" in details, details
+        tracebacks = [line for line in prefill.process.stderr_lines if "Traceback" in line]
+        assert not tracebacks, "\n".join(prefill.process.stderr_lines[-40:])
+    finally:
+        for broker in (prefill, decode):
+            broker.process.kill()
+            await close_broker(broker)
+
+
 async def test_sender_killed_mid_transfer_expires_the_grant_for_its_watchers(pair, engines, request_id):
     prefill, decode = pair
     src = await engines.make(prefill, "prefill", MEDIUM)

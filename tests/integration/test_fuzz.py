@@ -51,6 +51,7 @@ from tests.conftest import (
     Engines,
     assert_bytes,
     close_broker,
+    close_brokers,
     expected_after,
     open_broker,
 )
@@ -143,7 +144,7 @@ async def world(backend):
         await made.close()
         scratch.close()
         scratch.unlink()
-        codes = [await close_broker(b) for b in (prefill, decode)]
+        codes = await close_brokers(prefill, decode)
     assert codes == [0, 0], f"a fuzzed broker did not shut down cleanly: exit codes {codes}"
 
 
@@ -190,9 +191,7 @@ class Fuzzer:
         if self.crash is None:
             for broker in (self.w.prefill, self.w.decode, *self.w.bystanders):
                 if broker.process.process.returncode is not None:
-                    self.crash = (f"broker {broker.process.broker_id} exited "
-                                  f"({broker.process.process.returncode}) after {what} with\n{request!r:.3000}\n"
-                                  + "\n".join(broker.process.stderr_lines[-20:]))
+                    self.crash = broker.process.exit_report(f"after {what} with\n{request!r:.3000}\n")
             for stub in self.health:
                 try:
                     status = stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status

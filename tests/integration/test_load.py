@@ -23,7 +23,7 @@ import pytest
 from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import ALL, SMALL, Broker, Engine, Engines, assert_bytes, close_broker, open_broker
+from tests.conftest import ALL, SMALL, Broker, Engine, Engines, assert_bytes, close_brokers, open_broker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -164,5 +164,5 @@ async def test_rounds_of_256_concurrent_transfers_verify_every_page_and_leak_not
             assert await live_requests(broker) == 0, f"requests left live on {broker.process.broker_id}"
     finally:
         await engines.close()
-        codes = [await close_broker(b) for b in (prefill, decode)]
+        codes = await close_brokers(prefill, decode)
     assert codes == [0, 0], f"brokers did not shut down cleanly after the load: exit codes {codes}"

@@ -10,9 +10,13 @@ which each backend writes when it connects a new peer and when it forgets one.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import os
+import signal
+import sys
+import textwrap
 from pathlib import Path
 
 import grpc
@@ -22,7 +26,8 @@ import pytest
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
 from kvbroker.model import Descriptors, Region
-from kvbroker.tools.launch import start_broker
+from kvbroker.tools.launch import exit_description, start_broker
+from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from tests.conftest import (
@@ -210,18 +215,47 @@ class _Events(logging.Handler):
                               record.remote_peers))
 
 
+# A receiving engine in a process of its own, so that it can be stopped: over TCP (UCX_TLS=tcp for
+# NIXL; Mooncake's tcp protocol) a write larger than the socket buffers cannot finish while its
+# receiver is stopped. It registers the shared-memory segment named in argv, prints its metadata
+# and where it mapped the segment, and runs until its stdin closes.
+RECEIVER = textwrap.dedent("""
+    import asyncio, base64, json, os, sys
+    from kvbroker.backends import create_backend
+    from kvbroker.config import Settings
+    from kvbroker.model import Region
+    from kvbroker_client.shm import SharedSegment
+
+    async def main(backend, name, size):
+        settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
+        receiver = create_backend(settings, f"receiver-{os.getpid()}")
+        await receiver.start()
+        segment = SharedSegment(name, size, create=False)
+        await receiver.register([Region(segment.array.ctypes.data, size, 0, gpu=False)])
+        metadata = base64.b64encode(await receiver.metadata()).decode()
+        print(json.dumps([metadata, segment.array.ctypes.data]), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3])))
+    os._exit(0)  # NIXL's UCX teardown may crash at interpreter exit
+""")
+
+
 async def disconnect_during_write(backend: str) -> dict:
-    """Two connects of one peer, both given back, the second while a write to it runs; then again."""
+    """Two connects of one peer, both given back, the second while a write to it runs and cannot
+    finish (its receiver is stopped); then the write ends, and the peer is connected again."""
+    os.environ["UCX_TLS"] = "tcp"  # UCX's shared-memory transports would write into a stopped receiver
     events = _Events()
     logging.getLogger("kvbroker.backends").addHandler(events)
     logging.getLogger("kvbroker.backends").setLevel(logging.INFO)
-    settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
-    sender = create_backend(settings, f"sender-{os.getpid()}")
-    receiver = create_backend(settings, f"receiver-{os.getpid()}")
+    sender = create_backend(Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0"),
+                            f"sender-{os.getpid()}")
     size, length = 64 << 20, 1 << 16
     src = np.random.default_rng(11).integers(0, 256, size, dtype=np.uint8)
-    dst = np.zeros(size, dtype=np.uint8)
-    rows = Descriptors(_rows(src.ctypes.data, size // length, length), _rows(dst.ctypes.data, size // length, length))
+    dst = SharedSegment.create(size, "kvbt-receiver")
+    receiver = await asyncio.create_subprocess_exec(
+        sys.executable, "-X", "faulthandler", "-c", RECEIVER, backend, dst.name, str(size), cwd=ROOT,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
 
     async def loaded(peer) -> bool | None:
         """Whether NIXL itself still has the remote agent; Mooncake keeps nothing to ask about."""
@@ -232,30 +266,56 @@ async def disconnect_during_write(backend: str) -> dict:
     seen: dict = {}
     try:
         async with asyncio.timeout(90):
-            await asyncio.gather(sender.start(), receiver.start())
+            await sender.start()
             await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
-            await receiver.register([Region(dst.ctypes.data, size, 0, gpu=False)])
-            metadata = await receiver.metadata()
+            answer = await receiver.stdout.readline()
+            assert answer, f"the receiver {exit_description(await receiver.wait())}"
+            metadata, address = json.loads(answer)
+            metadata = base64.b64decode(metadata)
+            rows = Descriptors(_rows(src.ctypes.data, size // length, length), _rows(address, size // length, length))
             first, second = await sender.connect(metadata), await sender.connect(metadata)
             seen["same_handle"] = first == second
+            await sender.write(second, Descriptors(rows.src[:1], rows.dst[:1]), timeout=30)  # the engines meet
             await sender.disconnect(first)
             seen["loaded_after_one_disconnect"] = await loaded(second)
-            writing = asyncio.create_task(sender.write(second, rows, timeout=60))
-            await asyncio.sleep(0)  # the write is posted before the disconnect reaches the engine
+
+            os.kill(receiver.pid, signal.SIGSTOP)  # from here on the write cannot finish
+            entered = asyncio.Event()
+
+            async def write() -> None:
+                entered.set()  # its waiter runs once write() has taken its hold on the peer and yielded
+                await sender.write(second, rows, timeout=60)
+
+            writing = asyncio.create_task(write())
+            await entered.wait()
+            seen["writing_before_disconnect"] = sender.writing(second)
             await sender.disconnect(second)
             seen["events_while_writing"] = list(events.seen)
+            seen["write_ran_on"] = not writing.done()
+            os.kill(receiver.pid, signal.SIGCONT)
             await writing
-            seen["moved"] = bool(np.array_equal(dst, src))
+            seen["moved"] = bool(np.array_equal(dst.array, src))
             seen["events_after_write"] = list(events.seen)
             seen["loaded_after_write"] = await loaded(second)
-            dst[:] = 0
+            dst.array[:] = 0
             third = await sender.connect(metadata)
             await sender.write(third, rows, timeout=60)
-            seen["moved_again"] = bool(np.array_equal(dst, src))
+            seen["moved_again"] = bool(np.array_equal(dst.array, src))
             seen["events"] = list(events.seen)
     finally:
+        if receiver.returncode is None:
+            os.kill(receiver.pid, signal.SIGCONT)
+        receiver.stdin.close()
+        try:
+            await asyncio.wait_for(receiver.wait(), 30)
+        except TimeoutError:
+            receiver.kill()
+            await receiver.wait()
         async with asyncio.timeout(60):
-            await asyncio.gather(sender.close(), receiver.close())
+            await sender.close()
+        dst.close()
+        dst.unlink()
+    seen["receiver_ended"] = exit_description(receiver.returncode)
     return seen
 
 
@@ -264,12 +324,15 @@ async def test_a_peer_given_back_during_a_write_is_forgotten_only_when_the_write
     nixl = backend == "nixl"
     assert seen["same_handle"], "two connects with one peer's metadata gave different handles"
     assert seen["loaded_after_one_disconnect"] is (True if nixl else None)
+    assert seen["writing_before_disconnect"], "the write did not hold the peer before the disconnect"
+    assert seen["write_ran_on"], "the write to a stopped receiver ended before it was let go on"
     assert seen["events_while_writing"] == [["connected", 1]], "the peer went while a write to it ran"
     assert seen["moved"], "the write did not move every byte"
     assert seen["events_after_write"] == [["connected", 1], ["forgotten", 0]]
     assert seen["loaded_after_write"] is (False if nixl else None)
     assert seen["moved_again"], "a peer connected again after it was forgotten cannot be written to"
     assert seen["events"] == [["connected", 1], ["forgotten", 0], ["connected", 1]]
+    assert seen["receiver_ended"] == "exited with code 0"
 
 
 def pid_inside(wrapper_pid: int) -> int:

@@ -3,6 +3,12 @@
 The server creates a segment under /dev/shm, places its layer buffers in it at offsets, and
 registers them by (segment name, offset). The broker maps the same segment; the server keeps
 ownership and unlinks it when done.
+
+A segment is allocated when it is created (posix_fallocate), not page by page as it is first
+touched: its memory counts against the server's limits, not the broker's, and a /dev/shm too small
+for it fails here with ENOSPC rather than with SIGBUS in the server or the broker later. A segment
+must keep its size while any engine registered over it: a broker fails the transfers of an engine
+whose segment shrank (FAILED_PRECONDITION), so unregister first.
 """
 
 from __future__ import annotations
@@ -23,10 +29,11 @@ class SharedSegment:
         self.name = name
         self.size = size
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(f"/dev/shm/{name}", flags, 0o600)
+        path = f"/dev/shm/{name}"
+        fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                _allocate(fd, path, size)
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -52,3 +59,17 @@ class SharedSegment:
     def __exit__(self, *exc) -> None:
         self.close()
         self.unlink()
+
+
+def _allocate(fd: int, path: str, size: int) -> None:
+    """Size a new segment and allocate every page of it; on failure, remove it."""
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.unlink(path)
+        raise OSError(exc.errno, f"cannot allocate shared-memory segment {path} of {size} bytes: {exc.strerror} "
+                                 "(is /dev/shm large enough?)") from None
+    except BaseException:
+        os.unlink(path)
+        raise

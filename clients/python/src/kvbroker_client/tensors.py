@@ -277,6 +277,8 @@ class SharedPool:
 
     The server owns it: `close()` unmaps and unlinks the segment (a broker that still maps it keeps
     its own mapping until the engine unregisters). Arrays handed out must not be used after close.
+    Every page is allocated at creation (OSError ENOSPC when /dev/shm is too small), and the segment
+    keeps its size: see kvbroker_client.shm.
     """
 
     def __init__(self, size: int, *, prefix: str = "kvbroker", alignment: int = 4096) -> None:
