@@ -131,6 +131,12 @@ def peer_server_options(s: Settings) -> list[tuple[str, object]]:
     return [("grpc.max_receive_message_length", s.peer_message_bytes),
             ("grpc.max_send_message_length", s.peer_message_bytes),
             ("grpc.max_concurrent_streams", s.max_peer_streams),
+            # With grpc's overload protection the limit holds before the peer has seen it: a burst of
+            # calls on a new connection got REFUSED_STREAM (UNAVAILABLE), 3-23 of 300 with a limit of
+            # 10, and 256 concurrent transfers failed so. Without it the limit holds once the peer
+            # has acknowledged our settings, which it must within the handshake timeout.
+            ("grpc.http.overload_protection", 0),
+            ("grpc.http2.settings_timeout", int(s.peer_handshake_timeout_s * 1000)),
             ("grpc.max_allowed_incoming_connections", s.max_peer_connections),
             ("grpc.server_handshake_timeout_ms", int(s.peer_handshake_timeout_s * 1000)),
             ("grpc.max_connection_idle_ms", int(s.peer_connection_idle_s * 1000)),
