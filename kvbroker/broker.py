@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code
+from kvbroker.errors import BrokerError, Code, not_found
 from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
 from kvbroker.offers import Offer
 from kvbroker.part_sender import PartCommand, PartSender
@@ -187,6 +187,15 @@ class Broker:
     def handshake_view(self, engine_id: str) -> Engine:
         self._check_accepting()
         return self.registry.get(engine_id)
+
+    def check_claimable(self, engine_id: str, request_id: str) -> None:
+        """NOT_FOUND, as `claim` answers it, for an engine or a request this broker does not have:
+        the peer servicer asks before it converts a claim's page ids."""
+        self.registry.get(engine_id)
+        try:
+            self.table.get(engine_id, request_id)
+        except BrokerError:
+            raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
 
     def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: Sequence[Component],
               dst_page_ids: np.ndarray) -> tuple[Grant, int]:

@@ -10,7 +10,7 @@ import argparse
 import socket
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -51,7 +51,33 @@ class Settings(BaseSettings):
     unregister_wait_s: float = Field(10.0, ge=0, description="how long UnregisterEngine waits for writes, seconds")
     shutdown_grace_s: float = Field(20.0, ge=0, description="time in-flight transfers get on SIGTERM, seconds")
     max_pages_per_request: int = Field(1 << 20, gt=0, description="page ids per request and pages per buffer")
-    max_message_bytes: int = Field(64 << 20, gt=0, description="largest gRPC message accepted, bytes")
+    max_message_bytes: int = Field(64 << 20, gt=0, description="largest message of the local API, received or "
+                                                              "sent, bytes")
+    max_peer_message_bytes: int = Field(0, ge=0, description="largest message of the peer API, received or sent "
+                                                             "(a peer's handshake answer too), bytes; 0: what 4 page "
+                                                             "lists of max_pages_per_request page ids take, plus "
+                                                             "64 KiB")
+    max_layer_buffers: int = Field(4096, gt=0, description="layer buffers of one engine, at registration and in a "
+                                                           "peer's handshake answer")
+    max_peer_reads: int = Field(32, gt=0, description="peer API requests received and parsed at once; the others "
+                                                      "wait, unread, up to peer_rpc_timeout_s: what requests take "
+                                                      "stays under max_peer_reads × max_peer_message_bytes")
+    max_reads_per_peer: int = Field(8, gt=0, description="of max_peer_reads, how many one peer host may hold at once")
+    max_peer_streams: int = Field(100, gt=0, description="calls one peer connection carries at once (HTTP/2 "
+                                                         "concurrent streams); the peer queues more")
+    max_peer_connections: int = Field(1024, gt=0, description="connections the peer port holds at once; more are "
+                                                              "closed as they are accepted")
+    peer_handshake_timeout_s: float = Field(10.0, gt=0, description="a peer connection that has not completed its "
+                                                                    "TLS and HTTP/2 handshake by then is closed, "
+                                                                    "seconds")
+    peer_connection_idle_s: float = Field(300.0, gt=0, description="a peer connection without a call for this long "
+                                                                   "is closed, seconds")
+    data_port_range: str = Field("", description="the transfer engines' listening ports, low-high (e.g. "
+                                                 "20100-20199), in 1024-65535 and outside 32768-60999: "
+                                                 "UCX_TCP_PORT_RANGE and UCX_NET_DEVICES (the advertised host's "
+                                                 "interface and the RDMA ports) for NIXL, MC_MIN_RPC_PORT and "
+                                                 "MC_MAX_RPC_PORT for Mooncake, unless set; empty: the engines' "
+                                                 "defaults")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["auto", "text", "json"] = Field(
         "auto", description="json (one object per line) or text; auto: text when stderr is a terminal, else json")
@@ -70,6 +96,23 @@ class Settings(BaseSettings):
             return self.advertise_host or self.broker_id
         return host
 
+    @property
+    def peer_message_bytes(self) -> int:
+        """max_peer_message_bytes, or when 0 what an OfferGrant's 4 page lists take, plus SMALL_MESSAGE_BYTES."""
+        return self.max_peer_message_bytes or 4 * page_list_bytes(self.max_pages_per_request) + SMALL_MESSAGE_BYTES
+
+    @property
+    def data_ports(self) -> range | None:
+        """data_port_range as a range of ports; None when unset."""
+        return parse_port_range(self.data_port_range) if self.data_port_range else None
+
+    @field_validator("data_port_range")
+    @classmethod
+    def _data_port_range_is_one_the_engines_take(cls, value: str) -> str:
+        if value:
+            parse_port_range(value)
+        return value
+
     @model_validator(mode="after")
     def _tls_files_come_together(self) -> Settings:
         if bool(self.peer_tls_cert) != bool(self.peer_tls_key):
@@ -77,6 +120,37 @@ class Settings(BaseSettings):
         if self.peer_tls_ca and not self.peer_tls_cert:
             raise ValueError("peer_tls_ca needs peer_tls_cert and peer_tls_key (mutual TLS)")
         return self
+
+
+SMALL_MESSAGE_BYTES = 64 << 10  # what a request without page lists or layer buffers may take: ids, reasons, tokens
+
+
+def page_list_bytes(max_pages: int) -> int:
+    """The most one page list of valid ids takes on the wire: each id below max_pages, as a varint,
+    plus the field's tag and length."""
+    return max_pages * varint_bytes(max_pages - 1) + 16
+
+
+def varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+KERNEL_EPHEMERAL = range(32768, 61000)  # Linux's default ip_local_port_range: Mooncake refuses a range inside it
+
+
+def parse_port_range(text: str) -> range:
+    """"low-high" as the range of ports it names: 1024 <= low <= high <= 65535, clear of the kernel's
+    ephemeral ports (Mooncake falls back to its own 15000-17000 for a range that touches them)."""
+    low, sep, high = text.strip().partition("-")
+    if not sep or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError(f"data_port_range: {text!r} is not low-high, e.g. 20100-20199")
+    ports = range(int(low), int(high) + 1)
+    if not 1024 <= ports.start < ports.stop <= 65536:
+        raise ValueError(f"data_port_range: {text!r} must lie in 1024-65535 with low <= high")
+    if ports.start < KERNEL_EPHEMERAL.stop and KERNEL_EPHEMERAL.start < ports.stop:
+        raise ValueError(f"data_port_range: {text!r} overlaps the kernel's ephemeral ports "
+                         f"{KERNEL_EPHEMERAL.start}-{KERNEL_EPHEMERAL.stop - 1}, which Mooncake refuses")
+    return ports
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:

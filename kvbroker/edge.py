@@ -1,8 +1,8 @@
 """What both servicers share at the gRPC edge:
 - `translate_errors`: wraps a unary servicer method, BrokerError → its status, anything else INTERNAL;
 - `status_code`, `details`: a domain code and message as gRPC sends them (streaming handlers);
-- `from_rpc_error`: a peer's status back into a BrokerError (peer_clients.py);
-- `MalformedRequests`: the server interceptor that refuses request bytes which do not parse.
+- `from_rpc_error`: a peer's status back into a BrokerError (peer_clients.py).
+What every call meets before a servicer sees it (size, parse, lists, concurrency) is admission.py.
 """
 
 from __future__ import annotations
@@ -71,51 +71,3 @@ def translate_errors(method):
             await context.abort(grpc.StatusCode.INTERNAL, details(message))
 
     return wrapper
-
-
-class _Malformed:
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-class MalformedRequests(grpc.aio.ServerInterceptor):
-    """Request bytes that do not parse as the method's message are INVALID_ARGUMENT. Without this,
-    grpc's server answers UNKNOWN when a request deserializer raises. Only kvbroker.v1 methods, all
-    of which take one request message (unary-unary, and unary-stream as async generators)."""
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or not handler_call_details.method.startswith("/kvbroker.v1."):
-            return handler
-        method, parse = handler_call_details.method, handler.request_deserializer
-
-        def tolerant(data: bytes):
-            try:
-                return parse(data)
-            except Exception as exc:  # DecodeError, or whatever a deserializer raises
-                return _Malformed(exc)
-
-        async def refuse(request: _Malformed, context) -> None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                details(f"request: not a valid message for {method}: {request.error}"))
-
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request, context):
-                if isinstance(request, _Malformed):
-                    await refuse(request, context)
-                return await inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary, tolerant, handler.response_serializer)
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
-
-            async def stream(request, context):
-                if isinstance(request, _Malformed):
-                    await refuse(request, context)
-                async for reply in inner_stream(request, context):
-                    yield reply
-
-            return grpc.unary_stream_rpc_method_handler(stream, tolerant, handler.response_serializer)
-        return handler

@@ -2,9 +2,11 @@
 
 A part's notice goes out at once when fewer than `window` NotifyParts calls to its peer are in
 flight; otherwise it waits in the peer's queue, and the next call carries every notice queued by
-then (at most `max_batch`). Under light load each notice is its own call; under heavy load one
-call carries many, so the calls per second to a peer stay bounded while no notice waits for a
-timer. Each notice's caller gets its own ack, or the call's failure. Used by the sender pipeline.
+then, up to `max_batch` notices and `max_batch_bytes` of them (so that no call outgrows the peer
+port's message limit, however much aux its notices carry). Under light load each notice is its own
+call; under heavy load one call carries many, so the calls per second to a peer stay bounded while
+no notice waits for a timer. Each notice's caller gets its own ack, or the call's failure. Used by
+the sender pipeline.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ log = logging.getLogger(__name__)
 
 WINDOW = 4  # NotifyParts calls in flight per peer
 MAX_BATCH = 1024  # notices per call (the peer API's bound)
+NOTICE_OVERHEAD = 256  # bytes a notice takes on the wire besides its aux payload, at most (ids, token, landed)
 
 # rpc(address, notices, timeout) -> one ack per notice, in order
 SendNotices = Callable[[str, Sequence[object], float], Awaitable[Sequence[object]]]
@@ -34,8 +37,9 @@ class _Peer:
 
 class Notifier:
     def __init__(self, send: SendNotices, *, timeout_s: float, window: int = WINDOW,
-                 max_batch: int = MAX_BATCH) -> None:
+                 max_batch: int = MAX_BATCH, max_batch_bytes: int = 1 << 62) -> None:
         self._send = send
+        self._max_batch_bytes = max_batch_bytes
         self._timeout_s = timeout_s
         self._window = window
         self._max_batch = max_batch
@@ -66,12 +70,23 @@ class Notifier:
     async def _drain(self, address: str, peer: _Peer) -> None:
         try:
             while peer.queue:
-                batch = [peer.queue.popleft() for _ in range(min(self._max_batch, len(peer.queue)))]
-                await self._call(address, batch)
+                await self._call(address, self._take_batch(peer))
         finally:
             peer.in_flight -= 1
             if not peer.in_flight and not peer.queue and self._peers.get(address) is peer:
                 del self._peers[address]
+
+    def _take_batch(self, peer: _Peer) -> list[tuple[object, asyncio.Future]]:
+        """The next call's notices: at least one, then as many as fit both bounds."""
+        batch = [peer.queue.popleft()]
+        size = _size(batch[0][0])
+        while peer.queue and len(batch) < self._max_batch:
+            more = _size(peer.queue[0][0])
+            if size + more > self._max_batch_bytes:
+                break
+            batch.append(peer.queue.popleft())
+            size += more
+        return batch
 
     async def _call(self, address: str, batch: list[tuple[object, asyncio.Future]]) -> None:
         self.calls += 1
@@ -113,3 +128,7 @@ class Notifier:
 def _retrieved(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _size(notice: object) -> int:
+    return NOTICE_OVERHEAD + len(getattr(notice, "aux", b"") or b"")

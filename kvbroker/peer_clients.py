@@ -33,6 +33,7 @@ import grpc
 import numpy as np
 
 from kvbroker import convert
+from kvbroker.admission import RequestLimits
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.edge import from_rpc_error
 from kvbroker.errors import BrokerError, Code
@@ -65,9 +66,13 @@ class PeerClients:
 
     def __init__(self, broker_id: str, epoch: int, backend: Backend, *, idle_s: float, rpc_timeout_s: float = 5.0,
                  channel_options: Sequence[tuple[str, object]] = (),
-                 credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self._metrics = metrics
-        self.notifier = Notifier(self._send_notices, timeout_s=rpc_timeout_s)
+        # half the peer port's message limit for a call's notices: the rest is slack for the framing
+        batch_bytes = (limits.port_bytes // 2) if limits is not None else 1 << 62
+        self.notifier = Notifier(self._send_notices, timeout_s=rpc_timeout_s, max_batch_bytes=batch_bytes)
+        self._limits = limits  # a peer's answer is held to our bounds before anything is built from it
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
@@ -141,7 +146,10 @@ class PeerClients:
         deadline = loop.time() + timeout
         self._idle.begin(address)
         try:
-            return await getattr(self._stub(address), method)(request, timeout=timeout, wait_for_ready=False)
+            reply = await getattr(self._stub(address), method)(request, timeout=timeout, wait_for_ready=False)
+            if self._limits is not None and (refusal := self._limits.check_lists(reply)) is not None:
+                raise BrokerError(Code.RESOURCE_EXHAUSTED, f"peer broker {address}: {method} answer: {refusal.message}")
+            return reply
         except grpc.aio.AioRpcError as exc:
             # DEADLINE_EXCEEDED is ours when our deadline passed; before it, the peer said it (an expired grant).
             silent = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() >= deadline - 0.001

@@ -64,7 +64,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
     @translate_errors
     async def ClaimGrant(self, request: ppb.ClaimGrantRequest, context) -> ppb.ClaimGrantResponse:
         identity = self._caller(request, context)
-        self._broker.registry.get(request.engine_id)  # ids before page arrays
+        self._broker.check_claimable(request.engine_id, request.request_id)  # before any page array is built
         grant, generation = self._broker.claim(
             identity, request.engine_id, request.request_id, convert.components_in(request.components),
             convert.page_ids_in(request.dst_page_ids),

@@ -1,13 +1,15 @@
 """Assembles and runs one broker: `BrokerServer.serve()` is startup() → wait → shutdown(), built
 from one Settings object, with the signals captured for as long as it runs.
 
-startup: backend, epoch, peer clients, Broker, both gRPC servers (local API and peer API, each
-with health and reflection), listeners bound, the metrics endpoint if configured, health SERVING.
+startup: the open-file limit raised, backend, epoch, peer clients, Broker, both gRPC servers
+(local API and peer API, each with health and reflection, each behind an Admission interceptor:
+admission.py), listeners bound, the metrics endpoint if configured, health SERVING.
 wait: until the first SIGTERM or SIGINT (`capture_signals`; a second one forces an exit).
 shutdown: NOT_SERVING at once, drain in-flight transfers within the grace period, stop the
 servers, release engines and the backend, stop the metrics endpoint. Tests call startup and
 shutdown directly; `kvbroker serve` (cli.py) calls serve. Its parts: `new_epoch`, `peer_credentials`
-(TLS of the peer port), `Endpoints` (the addresses as bound).
+(TLS of the peer port), `peer_server_options` (the peer port's bounds in grpc core), `bind_unix`
+(the local socket, created with its final mode), `raise_fd_limit`, `Endpoints` (the addresses as bound).
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,14 +31,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvbroker.admission import Admission, PeerReads, RequestLimits
 from kvbroker.backends import create_backend
 from kvbroker.broker import Broker, Limits
 from kvbroker.config import Settings
-from kvbroker.edge import MalformedRequests
 from kvbroker.metrics import Metrics
 from kvbroker.peer_clients import PeerClients
 from kvbroker.peer_service import PeerServicer
 from kvbroker.service import BrokerServicer
+from kvbroker.trim import MemoryTrim
 from kvbroker.trust import PeerGate
 from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
 
@@ -70,11 +76,79 @@ def peer_credentials(s: Settings) -> tuple[grpc.ServerCredentials | None, grpc.C
     return server, client
 
 
+SOCKET_MODE = 0o660  # the local API's Unix socket: the broker's user and group (the inference server)
+SOCKET_DIR_MODE = 0o750  # a directory the broker creates for it
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    path: Path
+    inode: int  # of the socket bound: shutdown removes the path only while it is still this socket
+
+
+def bind_unix(server: grpc.aio.Server, path: Path) -> UnixSocket:
+    """Bind `path` with its final mode from the first moment anyone can reach it: grpc binds in a
+    private directory (0700) beside it, the socket gets SOCKET_MODE there and is renamed into place.
+    A umask around the bind would do it too, but the umask is the process's, and other threads
+    create files meanwhile. Directories missing on the way are created SOCKET_DIR_MODE."""
+    missing = [p for p in (path.parent, *path.parent.parents) if not p.exists()]
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=SOCKET_DIR_MODE)
+            os.chmod(directory, SOCKET_DIR_MODE)  # whatever the umask took away, or left
+    staging = Path(tempfile.mkdtemp(prefix=".kvb", dir=path.parent))
+    try:
+        bound = staging / "s"
+        server.add_insecure_port(f"unix:{bound}")
+        os.chmod(bound, SOCKET_MODE)
+        os.replace(bound, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return UnixSocket(path, os.stat(path).st_ino)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit, so that a flood of peer
+    connections (bounded by max_peer_connections) leaves fds for the local API, engines' segments and
+    the transfer engine; returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        with contextlib.suppress(OSError, ValueError):
+            hard = int(Path("/proc/sys/fs/nr_open").read_text())
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            soft = hard
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    return soft
+
+
+def peer_server_options(s: Settings) -> list[tuple[str, object]]:
+    """The peer port's bounds in grpc core: message size (a larger one is refused unread, with grpc's
+    own RESOURCE_EXHAUSTED "Received message larger than max (N vs. M)"), streams per connection,
+    connections (more are closed as they are accepted), and how long a connection may sit in its
+    TLS and HTTP/2 handshake or idle."""
+    return [("grpc.max_receive_message_length", s.peer_message_bytes),
+            ("grpc.max_send_message_length", s.peer_message_bytes),
+            ("grpc.max_concurrent_streams", s.max_peer_streams),
+            # With grpc's overload protection the limit holds before the peer has seen it: a burst of
+            # calls on a new connection got REFUSED_STREAM (UNAVAILABLE), 3-23 of 300 with a limit of
+            # 10, and 256 concurrent transfers failed so. Without it the limit holds once the peer
+            # has acknowledged our settings, which it must within the handshake timeout.
+            ("grpc.http.overload_protection", 0),
+            ("grpc.http2.settings_timeout", int(s.peer_handshake_timeout_s * 1000)),
+            ("grpc.max_allowed_incoming_connections", s.max_peer_connections),
+            ("grpc.server_handshake_timeout_ms", int(s.peer_handshake_timeout_s * 1000)),
+            ("grpc.max_connection_idle_ms", int(s.peer_connection_idle_s * 1000)),
+            # Without BDP probing a stream's window stays at 64 KiB: a call waiting for a read slot
+            # (admission.py) holds that much of its request, not megabytes (measured: 16 waiting
+            # 20 MiB calls took 70 MB with it, nothing without).
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.so_reuseport", 0)]
+
+
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None = None) -> str:
-    if address.startswith("unix:"):
-        Path(address.removeprefix("unix:").removeprefix("//")).parent.mkdir(parents=True, exist_ok=True)
-        server.add_insecure_port(address)
-        return address
     if credentials is not None:
         port = server.add_secure_port(address, credentials)
     else:
@@ -126,14 +200,13 @@ class BrokerServer:
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._peers: PeerClients | None = None
+        self._socket: UnixSocket | None = None
+        self._trim = MemoryTrim()
         self.metrics = Metrics()
 
-    def _grpc_server(self, service_name: str) -> grpc.aio.Server:
-        limit = self.settings.max_message_bytes
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                          ("grpc.max_send_message_length", limit),
-                                          ("grpc.so_reuseport", 0)],
-                                 interceptors=[MalformedRequests()])
+    def _grpc_server(self, service_name: str, options: list[tuple[str, object]], admission: Admission
+                     ) -> grpc.aio.Server:
+        server = grpc.aio.server(options=options, interceptors=[admission])
         servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
         reflection.enable_server_reflection(
@@ -152,11 +225,16 @@ class BrokerServer:
                         s.max_parts_per_request)
         epoch = new_epoch()
         server_credentials, channel_credentials = peer_credentials(s)
-        channel_options = [("grpc.max_receive_message_length", s.max_message_bytes),
-                           ("grpc.max_send_message_length", s.max_message_bytes)]
+        log.info("open-file limit %d", raise_fd_limit())
+        channel_options = [("grpc.max_receive_message_length", s.peer_message_bytes),  # a peer's answers too
+                           ("grpc.max_send_message_length", s.peer_message_bytes)]
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
-        peer_server = self._grpc_server(PEER_SERVICE)
+        peer_limits = RequestLimits(s.peer_message_bytes, "max_peer_message_bytes", s.max_pages_per_request,
+                                    s.max_layer_buffers)
+        peer_reads = PeerReads(s.max_peer_reads, s.max_reads_per_peer, s.peer_rpc_timeout_s)
+        peer_admission = Admission(peer_limits, peer_reads, trim=self._trim)
+        peer_server = self._grpc_server(PEER_SERVICE, peer_server_options(s), peer_admission)
         peer_listen = _bind(peer_server, s.peer_listen, server_credentials)  # its port goes into our offers
         peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
         gate = PeerGate(s.peer_allow_patterns, authenticated=bool(s.peer_tls_ca))
@@ -164,7 +242,8 @@ class BrokerServer:
             log.warning("peers are not authenticated: without mutual TLS (peer_tls_cert, peer_tls_key and "
                         "peer_tls_ca) a peer's broker_id is its own claim, and peer_allow can only trust it")
         peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, rpc_timeout_s=s.peer_rpc_timeout_s,
-                            channel_options=channel_options, credentials=channel_credentials, metrics=self.metrics)
+                            channel_options=channel_options, credentials=channel_credentials, metrics=self.metrics,
+                            limits=peer_limits)
         broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()
         self.broker, self._peers = broker, peers
@@ -173,15 +252,21 @@ class BrokerServer:
             log.warning("the peer port %s accepts brokers it cannot authenticate; set peer_tls_cert, "
                         "peer_tls_key and peer_tls_ca for mutual TLS", peer_listen)
 
-        local_server = self._grpc_server(BROKER_SERVICE)
+        local_options = [("grpc.max_receive_message_length", s.max_message_bytes),
+                         ("grpc.max_send_message_length", s.max_message_bytes), ("grpc.so_reuseport", 0)]
+        local_limits = RequestLimits(s.max_message_bytes, "max_message_bytes", s.max_pages_per_request,
+                                     s.max_layer_buffers)
+        local_server = self._grpc_server(BROKER_SERVICE, local_options, Admission(local_limits, trim=self._trim))
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
             BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s, gate), local_server)
-        listen = _bind(local_server, s.listen)
+        if s.listen.startswith("unix:"):
+            self._socket = bind_unix(local_server, Path(s.listen.removeprefix("unix:").removeprefix("//")))
+            listen = s.listen
+        else:
+            listen = _bind(local_server, s.listen)
 
         for server in self._servers:
             await server.start()
-        if listen.startswith("unix:"):
-            os.chmod(listen.removeprefix("unix:").removeprefix("//"), 0o660)
         metrics_listen = self.metrics.serve(s.metrics_listen) if s.metrics_listen else ""
         for servicer, name in zip(self._health, (PEER_SERVICE, BROKER_SERVICE)):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -215,9 +300,14 @@ class BrokerServer:
         if self.broker is not None:
             await self.broker.drain(grace)
         await asyncio.gather(*(server.stop(1.0) for server in self._servers))
+        if self._socket is not None:  # grpc removes the path it bound, which was renamed
+            with contextlib.suppress(OSError):
+                if os.stat(self._socket.path).st_ino == self._socket.inode:
+                    os.unlink(self._socket.path)
         if self._peers is not None:
             await self._peers.close()
         if self.broker is not None:
             await self.broker.close()
         await self.metrics.close()
+        self._trim.close()
         log.info("broker stopped")

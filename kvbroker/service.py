@@ -57,6 +57,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def ExpectTransfer(self, request, context):
+        self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
         if request.pages and (request.components or request.dst_page_ids):
             raise invalid("pages: give either pages, or components with dst_page_ids, not both")
         if request.pages:
@@ -71,6 +72,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def Transfer(self, request, context):
+        self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
         """The claimed flow when the request names the receiver (peer_address), else the offered flow."""
         if request.peer_address or request.remote_engine_id:
             if request.pages or request.more_parts or request.aux:

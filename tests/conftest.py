@@ -55,8 +55,9 @@ def backend(request) -> str:
     return request.param
 
 
-async def open_broker(name: str, backend: str, *args: str, env: dict[str, str] | None = None) -> Broker:
-    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args, env=env)
+async def open_broker(name: str, backend: str, *args: str, **options) -> Broker:
+    """A broker on loopback; `options` go to start_broker (env, prefix, ...)."""
+    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args, **options)
     channel = grpc.aio.insecure_channel(process.listen)
     return Broker(process, channel, bpb_grpc.BrokerServiceStub(channel))
 

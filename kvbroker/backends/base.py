@@ -35,6 +35,7 @@ class BackendOptions:
     advertised_host: str  # the host peers reach this broker by (Mooncake serves its session there)
     mooncake_protocol: str  # tcp, or rdma in clusters
     mooncake_device: str  # RDMA device names (e.g. mlx5_0), empty for tcp
+    data_ports: range | None = None  # where the engine's listeners go (data_port_range; ports.py); None: its default
 
 
 class TransferFailed(Exception):

@@ -14,6 +14,10 @@ least 5). `start` sets it for that moment to the broker's transfer_timeout_s, un
 set it, so that the engine never gives up on a batch the broker still waits for, and a batch the
 broker gave up on ends soon after; deregistration and close wait for batches that long.
 
+With data_port_range, `mooncake.engine` is first imported with MC_MIN_RPC_PORT/MC_MAX_RPC_PORT set
+to it (ports.py): the engine reads its port range then, once per process. Its handshake and data
+listeners bind 0.0.0.0 and [::] whatever it is told, which start says once in the log.
+
 A peer's session id is counted like any peer handle (base.py); when nothing holds or writes to it
 any longer, its window goes. The engine's own cache of the peer's segment (opened on the first
 write) stays until the engine is destroyed: the Python binding has no call that closes a segment.
@@ -27,11 +31,13 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
+from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRefs, TransferFailed
 from kvbroker.model import Descriptors, Region
 
@@ -78,6 +84,7 @@ class MooncakeBackend(Backend):
         if configured and self._engine_timeout < options.transfer_timeout_s:
             log.warning("%s=%s: the Mooncake engine abandons a batch after %d s, before transfer_timeout_s (%g s)",
                         TRANSFER_TIMEOUT_ENV, configured, self._engine_timeout, options.transfer_timeout_s)
+        self._environment = ports.mooncake_environment(options.data_ports) if options.data_ports else {}
         self._engine = None
         self._session = ""
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
@@ -93,8 +100,7 @@ class MooncakeBackend(Backend):
 
     async def start(self) -> None:
         def create():
-            from mooncake.engine import TransferEngine
-
+            TransferEngine = self._import_engine()  # noqa: N806 (the library's class)
             engine = self._construct(TransferEngine)
             rc = engine.initialize(self._host, P2P_HANDSHAKE, self._protocol, self._device)
             if rc != 0:
@@ -105,6 +111,22 @@ class MooncakeBackend(Backend):
         self._engine, self._session = await self._call(create)
         log.debug("Mooncake engine %s serving session %s over %s, abandoning a batch after %d s",
                   self._agent_name, self._session, self._protocol, self._engine_timeout)
+
+    def _import_engine(self):
+        """mooncake.engine's TransferEngine; imported for the first time with data_port_range's ports
+        in MC_MIN_RPC_PORT/MC_MAX_RPC_PORT, which the engine reads then, once per process."""
+        first = "mooncake.engine" not in sys.modules
+        with ports.environment(self._environment if first else {}) as applied:
+            from mooncake.engine import TransferEngine
+        if self._environment:
+            if not first and any(os.environ.get(k) != v for k, v in self._environment.items()):
+                log.warning("mooncake.engine was imported before in this process: its port range stays what "
+                            "it read then, not data_port_range")
+            log.info("Mooncake listens on every interface (0.0.0.0 and [::]) whatever it is told; "
+                     "data_port_range confines its ports only: fence them (README.md, Security)",
+                     extra={"applied": applied,
+                            "operator_set": sorted(set(self._environment) - set(applied)) if first else []})
+        return TransferEngine
 
     def _construct(self, engine_class):
         """The engine, constructed while MC_TRANSFER_TIMEOUT says what we want; the variable is put back."""

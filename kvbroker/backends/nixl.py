@@ -6,8 +6,16 @@ The agent's own progress thread (which must run: a receiving broker never calls 
 its UCX worker has to progress for transports such as TCP) waits in poll() for UCX events with
 a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
 
-A peer broker is a remote agent, loaded by `connect` and named by its metadata; every session of
-one peer epoch shares it. The NIXL thread counts (base.PeerRefs), per remote agent, the connects not
+With data_port_range, the agent is built with UCX_TCP_PORT_RANGE and UCX_NET_DEVICES set to it and
+to the advertised host's interface plus the RDMA ports (ports.py), where the operator set neither.
+
+A peer's metadata is loaded by `connect` as a remote agent of its own, keyed by the agent name it
+carries and a digest of the whole metadata (`keyed_metadata`): handshakes that bring the same
+metadata share the agent, and metadata NIXL cannot load never touches another key's state. NIXL
+keeps what it loaded of a failed load (UCX's connection info, which remove_remote_agent does not
+drop) and refuses the name from then on, and a failed load under a loaded name drops that agent:
+a peer lying with a truncated copy of a real broker's metadata would otherwise cut the path to
+that broker for good. The NIXL thread counts (base.PeerRefs), per remote agent, the connects not
 yet matched by a disconnect and the writes posted and not yet released; the agent is removed when both reach
 zero, so a peer that restarted leaves nothing behind and no write loses its endpoint mid-flight.
 
@@ -19,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import secrets
 import sys
@@ -27,6 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRef, PeerRefs, TransferFailed
 from kvbroker.model import Descriptors, MemoryKind, Region
 
@@ -46,6 +56,8 @@ class NixlBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
+        self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
+            if options.data_ports else {}
         self._agent = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._peers = PeerRefs()  # remote agents loaded, uses = transfers posted; on the NIXL thread only
@@ -63,9 +75,13 @@ class NixlBackend(Backend):
             nixl_log.handlers.clear()
             nixl_log.propagate = True
             nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
-            return new_agent(nixl_agent, nixl_agent_config, self._agent_name)
+            with ports.environment(self._environment) as applied:  # UCX reads it as the agent is built
+                return new_agent(nixl_agent, nixl_agent_config, self._agent_name), applied
 
-        self._agent = await self._call(create)
+        self._agent, applied = await self._call(create)
+        if self._environment:
+            log.info("NIXL agent's UCX listeners confined", extra={
+                "applied": applied, "operator_set": sorted(set(self._environment) - set(applied))})
 
     async def register(self, regions: Sequence[Region]) -> object:
         by_kind: dict[str, list[tuple[int, int, int, str]]] = {}
@@ -98,9 +114,11 @@ class NixlBackend(Backend):
             raise _failed("NIXL could not give its metadata", exc) from exc
 
     async def connect(self, metadata: bytes) -> object:
-        # Metadata of an agent already loaded (another engine of the same peer broker) merges into it.
+        key, keyed = keyed_metadata(metadata)
+
         def load():
-            name = self._agent.add_remote_agent(metadata)
+            # Loading the same metadata again (another engine of the same peer broker) is a no-op for NIXL.
+            name = self._agent.add_remote_agent(keyed)
             if self._peers.connect(name):
                 log.info("NIXL remote agent connected", extra=_held(name, self._peers))
             return name
@@ -241,6 +259,22 @@ def new_agent(nixl_agent, nixl_agent_config, name: str):
 def _failed(what: str, exc: Exception) -> TransferFailed:
     """An exception of the nixl bindings as the broker reports it: what failed, in NIXL's words."""
     return TransferFailed(f"{what}: {type(exc).__name__}: {exc}")
+
+
+AGENT_HEADER = b"nixlSerDes|Agent"  # NIXL's serialized metadata opens with its agent's name, length-prefixed
+MAX_AGENT_NAME = 1024
+
+
+def keyed_metadata(metadata: bytes) -> tuple[bytes, bytes]:
+    """The remote agent's key, its name with a digest of `metadata` (`name#digest`), and the metadata
+    renamed to that key. TransferFailed for bytes that do not open as NIXL agent metadata."""
+    start = len(AGENT_HEADER) + 8
+    size = int.from_bytes(metadata[len(AGENT_HEADER):start], "little") if len(metadata) >= start else 0
+    end = start + size
+    if not metadata.startswith(AGENT_HEADER) or not 0 < size <= MAX_AGENT_NAME or metadata[end:end + 1] != b"|":
+        raise TransferFailed(f"NIXL metadata of {len(metadata)} bytes does not open with an agent name")
+    key = metadata[start:end] + b"#" + hashlib.blake2b(metadata, digest_size=8).hexdigest().encode()
+    return key, AGENT_HEADER + len(key).to_bytes(8, "little") + key + metadata[end:]
 
 
 def _release(agent, handle) -> bool:

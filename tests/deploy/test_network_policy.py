@@ -9,7 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import OTHER_ROLE, broker, broker_settings, literal_env, one, peer_port, pod_labels, selects
+from kvbroker.config import Settings
+from tests.deploy.conftest import (
+    OTHER_ROLE,
+    broker,
+    broker_settings,
+    literal_env,
+    lowered,
+    one,
+    peer_port,
+    pod_labels,
+    selects,
+)
 
 # Whether brokers of a role are written to, so that the other role's engines connect to theirs. A
 # sender's engine only dials out (README.md, Security, Ports: SYNs seen across two namespaces).
@@ -22,11 +33,10 @@ def policy(docs: list[dict]) -> dict:
 
 
 def data_ports(docs: list[dict]) -> range:
-    """The engines' listening ports as the broker container's environment confines them."""
-    env = literal_env(broker(docs))
-    low, high = (int(port) for port in env["UCX_TCP_PORT_RANGE"].split("-"))
-    assert (int(env["MC_MIN_RPC_PORT"]), int(env["MC_MAX_RPC_PORT"])) == (low, high), "one range for both engines"
-    return range(low, high + 1)
+    """The engines' listening ports as the broker's data_port_range confines them, for both engines."""
+    ports = Settings(**lowered(broker_settings(docs))).data_ports
+    assert ports is not None, "KVBROKER_DATA_PORT_RANGE is not set: the engines would listen anywhere"
+    return ports
 
 
 def admitted(docs: list[dict]) -> set[tuple[str, int, int]]:

@@ -45,3 +45,44 @@ def test_log_level_comes_from_the_setting(root_logging, monkeypatch):
     logs.configure("warning", "json")
     logging.getLogger("kvbroker.transfer").info("transfer succeeded")
     assert sys.stderr.getvalue() == ""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def throttled(clock: Clock, **options) -> tuple[logs.LogThrottle, list[logging.LogRecord]]:
+    records: list[logging.LogRecord] = []
+    logger = logging.getLogger(f"test.throttle.{id(records)}")
+    logger.propagate = False
+    logger.addHandler(type("Keep", (logging.Handler,), {"emit": lambda self, record: records.append(record)})())
+    return logs.LogThrottle(logger, 10.0, clock=clock, **options), records
+
+
+def test_a_throttle_logs_one_line_per_key_per_interval_and_then_what_it_held_back():
+    clock = Clock()
+    throttle, records = throttled(clock)
+    assert throttle.warning(("malformed", "ipv4:10.0.0.1"), "refused %s", "a")
+    for _ in range(5):
+        assert not throttle.warning(("malformed", "ipv4:10.0.0.1"), "refused %s", "b")
+    assert throttle.warning(("malformed", "ipv4:10.0.0.2"), "refused %s", "c")  # another peer
+    assert throttle.warning(("too large", "ipv4:10.0.0.1"), "refused %s", "d")  # another kind
+    clock.now += 10.0
+    assert throttle.warning(("malformed", "ipv4:10.0.0.1"), "refused %s", "e", extra={"peer": "ipv4:10.0.0.1"})
+    assert [r.getMessage() for r in records] == ["refused a", "refused c", "refused d", "refused e"]
+    assert records[-1].suppressed == 5 and records[-1].peer == "ipv4:10.0.0.1"
+    assert not hasattr(records[0], "suppressed")
+
+
+def test_a_throttle_remembers_a_bounded_number_of_keys():
+    clock = Clock()
+    throttle, records = throttled(clock, max_keys=2)
+    for key in ("a", "b", "c"):
+        throttle.warning(key, key)
+    assert throttle.warning("a", "a again")  # forgotten to make room for c: logged at once
+    assert not throttle.warning("c", "c again")
+    assert len(records) == 4

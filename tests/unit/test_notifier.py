@@ -79,3 +79,24 @@ async def test_close_fails_what_is_in_flight():
     assert info.value.code is Code.UNAVAILABLE
     with pytest.raises(BrokerError):
         await notifier.notify("p:1", "late")
+
+
+async def test_a_call_carries_no_more_aux_than_its_byte_bound():
+    """Notices with big aux payloads are spread over calls so none outgrows the peer port's limit."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Notice:
+        name: str
+        aux: bytes
+
+    peer = Peer()
+    notifier = Notifier(peer.send, timeout_s=5, window=1, max_batch_bytes=3 * 1024)
+    first = asyncio.create_task(notifier.notify("p:1", Notice("n0", b"")))
+    await asyncio.wait_for(peer.called.wait(), 5)
+    rest = [asyncio.create_task(notifier.notify("p:1", Notice(f"n{i}", b"x" * 1000))) for i in range(1, 7)]
+    await asyncio.sleep(0)
+    peer.release.set()
+    await asyncio.wait_for(asyncio.gather(first, *rest), 5)
+    sizes = [len(batch) for batch in peer.batches]
+    assert sizes[0] == 1 and sum(sizes) == 7 and max(sizes[1:]) == 2  # 2 x (1000 + 256) fit, 3 do not
