@@ -75,7 +75,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
-        """Write every source row to its destination row on the peer; raise TransferFailed or TimeoutError."""
+        """Write every source row to its destination row on the peer; raise TransferFailed or TimeoutError.
+        It returns or raises once the engine is done with the rows: a write past `timeout` is let end
+        (bounded by the backend's own engine timeout) before TimeoutError, since the caller then tells
+        the receiver, which takes its pages back."""
 
     @abc.abstractmethod
     def writing(self, peer: object) -> bool:

@@ -215,8 +215,12 @@ class MooncakeBackend(Backend):
                 await asyncio.wait(list(map(_wrap, running)), timeout=max(0.0, deadline - loop.time()))
             raise
         except TimeoutError:
+            # Batches the engine is moving still write the peer's pages, which its receiver takes back
+            # once told of the failure: let them end first (the engine abandons one within its timeout).
+            left = await self._settle(running)
+            ended = f"{left} batches still in the engine" if left else "its batches then ended"
             raise TimeoutError(f"Mooncake write of {descriptors.count} descriptors to {peer} still in "
-                               f"progress after {timeout:.3f}s") from None
+                               f"progress after {timeout:.3f}s ({ended})") from None
         finally:
             for future in running:
                 future.cancel()  # only batches still queued for a thread; running ones finish in the engine
@@ -244,6 +248,15 @@ class MooncakeBackend(Backend):
 
         future.add_done_callback(lambda f: loop.call_soon_threadsafe(finished, f))
         return future
+
+    async def _settle(self, running: list[concurrent.futures.Future]) -> int:
+        """Wait until the engine is done with these batches (bounded); how many it still moves."""
+        started = [f for f in running if not f.cancel()]  # a batch still queued for a thread never starts
+        if not started:
+            return 0
+        timeout = quiesce_timeout_s(self._engine_timeout, max(self._inflight.get(f, 0) for f in started))
+        _, pending = await asyncio.wait(list(map(_wrap, started)), timeout=timeout)
+        return len(pending)
 
     async def _quiesce(self) -> None:
         if self._inflight:

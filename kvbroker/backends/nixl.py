@@ -59,6 +59,7 @@ class NixlBackend(Backend):
         self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
             if options.data_ports else {}
         self._agent = None
+        self._settle_s = options.transfer_timeout_s  # how long a write past its timeout may still finish
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._peers = PeerRefs()  # remote agents loaded, uses = transfers posted; on the NIXL thread only
         self._writing = PeerRefs()  # write() calls running per remote agent; on the event loop only
@@ -193,20 +194,31 @@ class NixlBackend(Backend):
         except Exception as exc:  # nixl raises its own error types for refused descriptors
             raise _failed("NIXL refused the transfer", exc) from exc
         try:
-            delay = POLL_FIRST_S
-            while state == "PROC":
-                if loop.time() >= deadline:
-                    raise TimeoutError(f"NIXL transfer still in progress after {timeout:.3f}s")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, POLL_MAX_S)
-                try:
-                    state = await self._call(self._agent.check_xfer_state, handle)
-                except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
-                    raise _failed("NIXL failed the transfer while it ran", exc) from exc
+            state = await self._poll(handle, state, deadline)
+            if state == "PROC":
+                # Past its timeout the transfer may still be writing the peer's pages, which its
+                # receiver takes back once told of the failure: let it end first (bounded), and only
+                # then release, which aborts what is left.
+                state = await self._poll(handle, state, loop.time() + self._settle_s)
+                ended = "still in progress" if state == "PROC" else f"then ended {state}"
+                raise TimeoutError(f"NIXL transfer still in progress after {timeout:.3f}s ({ended})")
             if state != "DONE":
                 raise TransferFailed(f"NIXL reported transfer state {state}")
         finally:
             await asyncio.shield(self._call(self._finish, peer, handle, counted))
+
+    async def _poll(self, handle, state: str, deadline: float) -> str:
+        """The transfer's state once it left PROC, or PROC at `deadline`."""
+        loop = asyncio.get_running_loop()
+        delay = POLL_FIRST_S
+        while state == "PROC" and loop.time() < deadline:
+            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            delay = min(delay * 2, POLL_MAX_S)
+            try:
+                state = await self._call(self._agent.check_xfer_state, handle)
+            except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
+                raise _failed("NIXL failed the transfer while it ran", exc) from exc
+        return state
 
     def _finish_later(self, peer: object, posted: asyncio.Future) -> None:
         handle, counted, _ = posted.result()
