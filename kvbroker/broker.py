@@ -28,7 +28,7 @@ import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.errors import BrokerError, Code, not_found
-from kvbroker.model import Component, EngineSpec, TransferRole, TransferState
+from kvbroker.model import Component, EngineSpec, TransferState
 from kvbroker.offers import Offer
 from kvbroker.part_sender import PartCommand, PartSender
 from kvbroker.peer_link import GrantOffer, PartAck, PartNotice, PeerLink
@@ -67,7 +67,7 @@ class Broker:
         self.backend = backend
         self.limits = limits
         self.registry = Registry(limits.max_pages_per_request, observer=metrics)
-        self.table = TransferTable(observer=metrics, on_end=self._ended)  # it also logs each request's end
+        self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
         self.parts = PartSender(self.registry, self.table, backend, peers, limits)
         self.receiver = Receiver(self.registry, self.table, peers, limits, peer_address)
@@ -93,7 +93,7 @@ class Broker:
         ended = self.table.live()
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s)
+        await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s * 2)
         self.stopping.set()
 
     async def close(self) -> None:
@@ -101,7 +101,7 @@ class Broker:
         self.stopping.set()
         await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
         await self.parts.close()
-        await self.receiver.close()
+        await self.table.close(timeout=self.limits.peer_rpc_timeout_s * 2)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
             try:
@@ -234,18 +234,18 @@ class Broker:
 
     async def cancel(self, engine_id: str, request_id: str, reason: str) -> TransferStatus:
         """Fail a request; returns once its peer has stopped writing into or reading out of it (an
-        offered request, bounded by peer_rpc_timeout_s) or its task has ended (a claimed one)."""
+        offered request: the offer's delivery and the revocation, each bounded by peer_rpc_timeout_s) or
+        its task has ended (a claimed one)."""
         record = self.table.get(engine_id, request_id)
         await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
-        await self.receiver.revoked([record], timeout=self.limits.peer_rpc_timeout_s)
+        await self.receiver.revoked([record], timeout=self.limits.peer_rpc_timeout_s * 2)
         return record.snapshot()
 
-    def _ended(self, record: TransferRecord) -> None:
-        if record.role is TransferRole.RECEIVER:
-            self.receiver.ended(record)
+    async def _fence(self, record: TransferRecord) -> str:
+        return await self.receiver.fence(record)
 
     async def _abort(self, record: TransferRecord, code: Code, reason: str, wait_s: float | None = None) -> int:
-        if record.state.terminal:
+        if record.settled:
             return 0
         if isinstance(record.offer, Offer):
             wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s

@@ -198,8 +198,8 @@ class PartSender:
             return 0
         if isinstance(offer, Offer):
             self.offers.end(offer, precondition(f"request {record.request_id!r} has failed: {reason}"))
+            await self._quiet(offer, wait_s)  # the receiver reuses its pages once told
             await self._tell_failed(offer, record)
-            await self._quiet(offer, wait_s)
         return 1
 
     # parts out
@@ -372,6 +372,7 @@ class PartSender:
         if not self._table.fail(record, error.code, error.message):
             return
         self.offers.end(offer, precondition(f"request {offer.request_id!r} has failed: {error.message}"))
+        await self._quiet(offer, self._limits.peer_rpc_timeout_s)  # the receiver reuses its pages once told
         await self._tell_failed(offer, record)
 
     async def _tell_failed(self, offer: Offer, record: TransferRecord) -> None:

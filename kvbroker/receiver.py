@@ -11,9 +11,10 @@ Called by the Broker (the façade):
   token, the sender's identity, the landing of parts.py) and applied: pages landed, the last
   part's aux, SUCCEEDED once every part has landed, FAILED when the sender says so. Counts come
   from the grant and this broker's own item_len, never from the sender's figures.
-- `ended` (the table's end callback): an offered grant that ended without its sender (cancelled,
-  expired, its engine unregistered, the broker draining) is revoked at the sender in a task
-  (RevokeOffer), which answers once no write into it runs; `revoked` waits for that answer.
+- `fence` (the table's fence): an offered grant failing without its sender (cancelled, expired,
+  its engine unregistered, the broker draining) is revoked at the sender (RevokeOffer), which
+  answers once no write into it runs; the grant ends FAILED after that answer (transfers.py), and
+  `revoked` waits for those ends.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ class Receiver:
         self._peers = peers
         self._limits = limits
         self._peer_address = peer_address  # ours, where senders reach this broker
-        self._tasks: set[asyncio.Task] = set()
 
     async def expect(self, cmd: GrantCommand) -> TransferStatus:
         check_identifier(cmd.request_id, "request_id")
@@ -133,7 +133,7 @@ class Receiver:
                              f"the broker at {offered.sender_address} answered as {sender_id!r}, but "
                              f"{offered.sender_id!r} reported parts of the grant")
         offered.sender_id, offered.sender_epoch = sender_id, epoch
-        if record.state is TransferState.FAILED:  # cancelled or expired while the offer was on its way
+        if record.state is TransferState.FAILED or record.ending is not None:  # cancelled or expired meanwhile
             raise BrokerError(Code(record.code) if record.code in Code._value2member_map_ else Code.ABORTED,
                               record.reason)
 
@@ -188,8 +188,8 @@ class Receiver:
         if offered.sender_id and identity.name != offered.sender_id:
             return PartAck(None, int(Code.PERMISSION_DENIED),
                            f"grant {n.request_id!r} was offered to {offered.sender_id!r}, not {identity.name!r}")
-        if record.state.terminal:
-            return PartAck(record.state, 0, record.reason)
+        if record.settled:  # ended, or ending (being revoked at this sender)
+            return PartAck(record.state if record.state.terminal else TransferState.FAILED, 0, record.reason)
         offered.sender_id = offered.sender_id or identity.name
         if not n.succeeded:
             offered.sender_failed = True
@@ -232,44 +232,30 @@ class Receiver:
             self._table.fail(record, exc.code, exc.message)
             raise
 
-    def ended(self, record: TransferRecord) -> None:
-        """A grant ended: one offered to a sender that did not end it itself is revoked there."""
-        offered = record.offered
-        if offered is None or record.state is TransferState.SUCCEEDED or offered.sender_failed:
-            return
-        task = asyncio.get_running_loop().create_task(self._revoke(record), name=f"revoke {record.request_id}")
-        offered.revoking = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _revoke(self, record: TransferRecord) -> bool:
+    async def fence(self, record: TransferRecord) -> str:
+        """Revoke a failing offered grant at its sender: "" once the sender answered that no write into
+        it runs, else why that is not known (the grant fails all the same, its reason saying so)."""
         offered, timeout = record.offered, self._limits.peer_rpc_timeout_s
         try:
             await asyncio.wait_for(offered.offered.wait(), timeout)  # an offer on its way is revoked after it
             if offered.sender_failed:
-                return True
+                return ""
             quiesced = await self._peers.revoke(offered.sender_address, record.engine_id, record.request_id,
                                                 offered.token, record.code, record.reason, timeout=timeout)
         except (BrokerError, TimeoutError) as exc:
+            message = exc.message if isinstance(exc, BrokerError) else f"no answer within {timeout:g}s"
             log.warning("could not revoke grant %s at its sender %s: %s", record.request_id,
-                        offered.sender_address, exc)
-            return False
+                        offered.sender_address, message)
+            return f"its revocation at the sender {offered.sender_address} failed: {message}"
         if not quiesced:
             log.warning("the sender %s of grant %s still wrote into it when it answered the revocation",
                         offered.sender_address, record.request_id)
-        return quiesced
+            return f"the sender {offered.sender_address} still wrote into it when it answered the revocation"
+        return ""
 
     async def revoked(self, records: list[TransferRecord], timeout: float) -> None:
-        """Wait (bounded) for the revocations of these grants to be answered."""
-        tasks = [r.offered.revoking for r in records if r.offered is not None and r.offered.revoking is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
-
-    async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_rpc_timeout_s * 2)
-        for task in list(self._tasks):
-            task.cancel()
+        """Wait (bounded) until these grants have ended: an offered one once its sender answered."""
+        await self._table.ended(records, timeout)
 
 
 def _by_component(landed) -> dict[Component, int]:

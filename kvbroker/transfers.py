@@ -13,7 +13,14 @@ servicers read snapshots and watch:
 - `watch`: the current state, then every change of state or of the parts landed.
 Every state change passes through `_add`, `start`, `progress` or `_end`: there the table tells its
 observer (metrics), and `_end` writes the one log line of each request's end, whatever ended it,
-tells `on_end`, and lets go of the request's page lists: an ended record keeps counts only.
+and lets go of the request's page lists: an ended record keeps counts only.
+
+A grant offered to a sender that did not end it itself (cancelled, expired, its engine unregistered,
+the broker draining, a lying notice) is not FAILED at once: `fail` decides the outcome and runs
+`fence` (the revocation at the sender) first, and the record ends once the sender answered that no
+write into it runs, or the fence gave up. Meanwhile it is `ending`: it takes no part and no other
+end, and its watchers still see it live, so that FAILED, to whoever watches, means no byte of the
+grant lands any more.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,7 +73,6 @@ class OfferedGrant:
     sender_epoch: int = 0
     sender_failed: bool = False  # the sender told us it failed: it needs no revocation
     offered: asyncio.Event = field(default_factory=asyncio.Event)  # set once the offer call has returned
-    revoking: asyncio.Task | None = None  # the RevokeOffer call, once the grant ended without the sender
 
 
 @dataclass(frozen=True)
@@ -109,12 +115,18 @@ class TransferRecord:
     # ownership: timers and the sender's task are cancelled when the record ends
     timer: asyncio.TimerHandle | None = None
     task: asyncio.Task | None = None
+    ending: asyncio.Task | None = None  # an offered grant failing: its fence, then its end (TransferTable.fail)
     watchers: set[asyncio.Queue] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def key(self) -> tuple[str, str]:
         return (self.engine_id, self.request_id)
+
+    @property
+    def settled(self) -> bool:
+        """Its outcome is decided: it ended, or it is ending (an offered grant waiting for its fence)."""
+        return self.state.terminal or self.ending is not None
 
     def snapshot(self) -> TransferStatus:
         end = self.finished if self.finished is not None else time.monotonic()
@@ -136,9 +148,10 @@ class TransferTable:
 
     def __init__(self, retention_s: float = 300.0, max_ended: int = 10000,
                  clock: Callable[[], float] = time.monotonic, observer: TransferObserver | None = None,
-                 on_end: Callable[[TransferRecord], None] | None = None) -> None:
+                 fence: Callable[[TransferRecord], Awaitable[str]] | None = None) -> None:
         self._observer = observer
-        self._on_end = on_end
+        self._fence = fence  # an offered grant's revocation at its sender: "" once confirmed, else why not
+        self._ending: set[asyncio.Task] = set()
         self._records: dict[tuple[str, str], TransferRecord] = {}
         self._ended: dict[tuple[str, str], None] = {}  # insertion-ordered, oldest first
         self._retention_s = retention_s
@@ -201,7 +214,7 @@ class TransferTable:
             self._observer.transfer_changed(record)
 
     def start(self, record: TransferRecord) -> None:
-        if record.state is TransferState.PENDING:
+        if record.state is TransferState.PENDING and record.ending is None:
             record.state = TransferState.TRANSFERRING
             record.transferring_at = self._clock()
             self.counts[TransferState.TRANSFERRING.name] += 1
@@ -212,7 +225,7 @@ class TransferTable:
         """A part of a live request landed (`landed`: its pages per component): its counts join the
         record's, and watchers see them (unless it is the `last`, which the caller ends the record
         with at once)."""
-        if record.state.terminal:
+        if record.settled:
             return
         record.parts += 1
         for kind, pages in landed.items():
@@ -243,8 +256,6 @@ class TransferTable:
         self._log_end(record)
         self._ended[record.key] = None
         self._trim()
-        if self._on_end is not None:
-            self._on_end(record)
 
     @staticmethod
     def _log_end(record: TransferRecord) -> None:
@@ -261,7 +272,7 @@ class TransferTable:
     def succeed(self, record: TransferRecord, *, pages: int | None = None, runs: int | None = None,
                 nbytes: int | None = None, truncated: int | None = None) -> bool:
         """End a live record SUCCEEDED, with these counts (None: keep what the parts added up to)."""
-        if record.state.terminal:
+        if record.settled:
             return False
         for name, value in (("pages", pages), ("runs", runs), ("bytes", nbytes), ("truncated_pages", truncated)):
             if value is not None:
@@ -272,12 +283,46 @@ class TransferTable:
         return True
 
     def fail(self, record: TransferRecord, code: Code | int, reason: str) -> bool:
-        """Fail a live record; a record that already ended keeps its outcome (returns False)."""
-        if record.state.terminal:
+        """Fail a live record; one that already ended or is ending keeps its outcome (returns False).
+        A grant still offered to its sender ends once the fence is done (see the module's docstring)."""
+        if record.settled:
             return False
         record.code, record.reason = int(code), reason
-        self._end(record, TransferState.FAILED)
+        offered = record.offered
+        if self._fence is None or offered is None or offered.sender_failed:
+            self._end(record, TransferState.FAILED)
+            return True
+        if record.timer is not None:
+            record.timer.cancel()
+            record.timer = None
+        record.ending = asyncio.get_running_loop().create_task(self._fence_then_end(record),
+                                                               name=f"fence {record.request_id}")
+        self._ending.add(record.ending)
+        record.ending.add_done_callback(self._ending.discard)
         return True
+
+    async def _fence_then_end(self, record: TransferRecord) -> None:
+        try:
+            note = await self._fence(record)
+            if note:
+                record.reason = f"{record.reason} ({note})"
+        finally:  # cancelled too (close): the record ends either way
+            self._end(record, TransferState.FAILED)
+
+    async def ended(self, records: list[TransferRecord], timeout: float) -> None:
+        """Wait (bounded) until these records have ended: an ending one once its fence is done."""
+        waits = [r.ending for r in records if r.ending is not None and not r.ending.done()]
+        if waits:
+            await asyncio.wait(waits, timeout=timeout)
+
+    async def close(self, timeout: float) -> None:
+        """Let the fences under way finish (bounded), then cancel the rest: every record ends."""
+        if self._ending:
+            await asyncio.wait(list(self._ending), timeout=timeout)
+        for task in list(self._ending):
+            task.cancel()
+        if self._ending:  # a cancelled fence ends its record at once
+            await asyncio.wait(list(self._ending), timeout=1.0)
 
     def _expire(self, record: TransferRecord) -> None:
         record.timer = None
