@@ -262,12 +262,20 @@ class Admission(grpc.aio.ServerInterceptor):
         async def call(request, context):
             if isinstance(request, Refusal):
                 await self._refuse(request, method, context)
-            return await inner(request, context)
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError as exc:
+                request = None  # noqa: F841 -- what the abort's traceback would keep alive
+                raise _bare(exc) from None
 
         async def call_streaming(request, context):
             if isinstance(request, Refusal):
                 await self._refuse(request, method, context)
-            await _respond(inner(request, context), context)
+            try:
+                await _respond(inner(request, context), context)
+            except grpc.aio.AbortError as exc:
+                request = None  # noqa: F841
+                raise _bare(exc) from None
 
         return call_streaming if streams else call
 
@@ -276,10 +284,14 @@ class Admission(grpc.aio.ServerInterceptor):
         turn (PeerReads)."""
         async def call(request_iterator, context):
             request = await self._read(method, context, one=True)
-            if streams:
-                await _respond(inner(request, context), context)
-                return None
-            return await inner(request, context)
+            try:
+                if streams:
+                    await _respond(inner(request, context), context)
+                    return None
+                return await inner(request, context)
+            except grpc.aio.AbortError as exc:
+                request = None  # noqa: F841 -- what the abort's traceback would keep alive
+                raise _bare(exc) from None
 
         return call
 
@@ -325,6 +337,14 @@ class Admission(grpc.aio.ServerInterceptor):
         if isinstance(request, Refusal):
             await self._refuse(request, method, context)
         return request
+
+
+def _bare(exc: BaseException) -> BaseException:
+    """`exc` without its traceback and the exception it replaced. grpc keeps a handler's AbortError on
+    the call's state, and through them the handler's frames and so the request, in a reference cycle
+    that only the cyclic collector frees: a flood of big refused requests would stay in memory."""
+    exc.__context__ = exc.__cause__ = None
+    return exc.with_traceback(None)
 
 
 async def _respond(result, context) -> None:

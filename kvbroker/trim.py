@@ -2,17 +2,19 @@
 every request it reads.
 
 Two things keep what a flood of big requests took. First, a refused request stays alive in a
-reference cycle: grpc keeps the AbortError of `context.abort` on the call's state, and its
-traceback holds the handler's frames, the request and the context, which holds the state. Only
-the cyclic collector frees it, and it rarely runs a full collection: it counts Python objects,
-and a 3 MiB request is one. Measured on a NIXL broker (baseline 293 MiB VmRSS, glibc's
-malloc_stats): 48 ClaimGrants of 1M page ids naming no engine, each refused NOT_FOUND, left 177
-MiB in use until gc.collect(). Second, glibc keeps freed memory: its heaps shrink only from the
-top, and its dynamic mmap threshold (raised to 32 MiB by the first big free) puts later big
-buffers on the heaps too. The same broker after 16 concurrent callers sent 3 rounds of 55, 9 and 3
-MiB ClaimGrants, then of 11 MiB OfferGrants, all refused, stayed at 848-982 MiB; with
-MALLOC_ARENA_MAX=2 or 1, or a fixed MALLOC_MMAP_THRESHOLD_, at 540-620 MiB; gc.collect() and
-malloc_trim(0) brought it back to 307-321 MiB. So once requests of TRIM_AFTER_BYTES or more have
+reference cycle: grpc keeps the AbortError of `context.abort` on the call's state, and its traceback
+holds the handler's frames, the request and the context, which holds the state. Only the cyclic
+collector frees it, and it rarely runs a full collection: it counts Python objects, and a 3 MiB
+request is one. (Admission now strips that traceback as the error leaves the handler,
+admission._bare: the peak of the flood below fell from 1.2-1.4 GiB to about 400 MiB over the
+baseline; the collection here is for what else may hold a request.) Measured on a NIXL broker before
+that (baseline 293 MiB VmRSS, glibc's malloc_stats): 48 ClaimGrants of 1M page ids naming no engine,
+each refused NOT_FOUND, left 177 MiB in use until gc.collect(). Second, glibc keeps freed memory:
+its heaps shrink only from the top, and its dynamic mmap threshold (raised to 32 MiB by the first
+big free) puts later big buffers on the heaps too. The same broker after 16 concurrent callers sent
+3 rounds of 55, 9 and 3 MiB ClaimGrants, then of 11 MiB OfferGrants, all refused, stayed at 848-982
+MiB; with MALLOC_ARENA_MAX=2 or 1, or a fixed MALLOC_MMAP_THRESHOLD_, at 540-620 MiB; gc.collect()
+and malloc_trim(0) brought it back to 307-321 MiB. So once requests of TRIM_AFTER_BYTES or more have
 stopped for TRIM_INTERVAL_S (or have gone on for TRIM_MAX_WAIT_S), a full collection runs on the
 event loop and malloc_trim(0) in a worker thread. Without glibc (musl) only the collection runs.
 """

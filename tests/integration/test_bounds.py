@@ -148,7 +148,9 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
                    if c == "RESOURCE_EXHAUSTED"), {d for _, d, _ in claims}
         assert all(c != "OK" for c, _, _ in offers)
         assert max(s for _, _, s in claims + offers) < 15, "a refusal took long"
-        assert watch.peak < baseline + 1024, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
+        # 16 callers at once, 8 read at a time: about 400 MiB over the baseline here; 1.2-1.4 GiB when each
+        # refused request stayed alive in its abort's traceback until a full collection
+        assert watch.peak < baseline + 768, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
         assert max(watch.health_s) < HEALTH_PROMPT_S, f"health took up to {max(watch.health_s):.1f}s"
         print(f"remote flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
