@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from kvbroker import logs, probe, status
 from kvbroker.config import Settings, add_settings_arguments, settings_from_args
 
@@ -59,6 +61,16 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def setting_errors(exc: ValidationError) -> str:
+    """Pydantic's refusal of the settings as one line per setting: its flag, its variable, the rule."""
+    lines = []
+    for error in exc.errors():
+        name = ".".join(str(part) for part in error["loc"]) or "settings"
+        where = f"--{name.replace('_', '-')} / KVBROKER_{name.upper()}" if error["loc"] else "settings"
+        lines.append(f"{name} ({where}): {error['msg']}, got {error.get('input')!r}")
+    return "; ".join(lines)
+
+
 def _run(coro) -> int:
     import uvloop
 
@@ -77,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        settings = settings_from_args(args)
+        try:
+            settings = settings_from_args(args)
+        except ValidationError as exc:
+            serve_cmd.exit(2, f"kvbroker serve: error: {setting_errors(exc)}\n")  # as argparse for a bad flag
         logs.configure(settings.log_level, settings.log_format)
         code = _run(serve(settings))
         sys.stdout.flush()
