@@ -181,6 +181,13 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
                 continue
             if ready.get("event") == "ready":
                 break
+    except TimeoutError:  # not ready in time: killed, and the report says what it wrote meanwhile
+        process.kill()
+        code = await process.wait()
+        await asyncio.wait([stderr_task], timeout=5)
+        stderr_task.cancel()
+        raise TimeoutError(exit_report(f"broker {broker_id} (pid {process.pid})", code, lines,
+                                       f"(not ready within {timeout:g}s)")) from None
     except BaseException:
         if process.returncode is None:
             process.kill()

@@ -111,8 +111,18 @@ async def test_a_broker_that_exits_before_it_is_ready_says_how():
     with pytest.raises(ChildDied) as died:
         await start_broker("refused", "--backend", "no-such-engine")
     message = str(died.value)
-    assert "broker refused" in message and "exited with code 1 before it was ready" in message, message
-    assert "no-such-engine" in message, message  # the settings' complaint, from its stderr
+    assert "broker refused" in message and "exited with code 2 before it was ready" in message, message
+    assert "backend (--backend / KVBROKER_BACKEND)" in message and "no-such-engine" in message, message
+
+
+async def test_a_broker_not_ready_in_time_is_killed_and_its_stderr_reported():
+    # A wrapper that says something and never starts the broker: what a broker stuck in its start does.
+    wrapper = ("sh", "-c", "echo 'stuck before the ready line' >&2; exec sleep 60", "sh")
+    with pytest.raises(TimeoutError) as stuck:
+        await start_broker("slow", "--backend", "mooncake", prefix=wrapper, timeout=1)
+    message = str(stuck.value)
+    assert "broker slow" in message and "SIGKILL" in message and "(not ready within 1s)" in message, message
+    assert "stuck before the ready line" in message, message
 
 
 async def test_a_bench_child_killed_by_a_signal_says_so_with_its_stderr_tail():
