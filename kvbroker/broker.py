@@ -56,6 +56,7 @@ class Limits:
     max_offers: int = 65536
     max_aux_bytes: int = 65536
     max_parts_per_request: int = 4096
+    max_engines: int = 1024
 
 
 class Broker:
@@ -66,7 +67,7 @@ class Broker:
         self.peer_address = peer_address  # where peers reach this broker, named in the offers it makes
         self.backend = backend
         self.limits = limits
-        self.registry = Registry(limits.max_pages_per_request, observer=metrics)
+        self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
         self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
         self.parts = PartSender(self.registry, self.table, backend, peers, limits)

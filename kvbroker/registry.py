@@ -105,8 +105,9 @@ class RegistryObserver(Protocol):
 class Registry:
     """The engines of one broker. Mutated only by the Broker, on the event loop."""
 
-    def __init__(self, max_pages: int, observer: RegistryObserver | None = None, gpu: GpuMemory | None = None
-                 ) -> None:
+    def __init__(self, max_pages: int, observer: RegistryObserver | None = None, gpu: GpuMemory | None = None,
+                 max_engines: int = 1024) -> None:
+        self._max_engines = max_engines
         self._observer = observer
         self._gpu = GpuMemory() if gpu is None else gpu
         self._engines: dict[str, Engine] = {}
@@ -141,6 +142,9 @@ class Registry:
         validate_spec(spec, self._max_pages)
         if spec.engine_id in self._engines:
             raise BrokerError(Code.ALREADY_EXISTS, f"engine_id: engine {spec.engine_id!r} is already registered")
+        if len(self._engines) >= self._max_engines:
+            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"engine_id: {len(self._engines)} engines are registered, the "
+                                                       f"limit of this broker (max_engines)")
         self._check_overlaps(self._spans(spec, segment_identity))
 
     def materialise(self, spec: EngineSpec) -> Engine:

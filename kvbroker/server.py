@@ -222,7 +222,7 @@ class BrokerServer:
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
         limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
                         s.transfer_timeout_s, s.peer_rpc_timeout_s, s.offer_wait_s, s.max_offers, s.max_aux_bytes,
-                        s.max_parts_per_request)
+                        s.max_parts_per_request, s.max_engines)
         epoch = new_epoch()
         server_credentials, channel_credentials = peer_credentials(s)
         log.info("open-file limit %d", raise_fd_limit())

@@ -330,6 +330,28 @@ async def test_the_layer_buffer_bound_is_a_setting():
         assert await close_broker(broker) == 0
 
 
+async def test_engines_beyond_max_engines_are_refused_until_one_goes():
+    broker = await open_broker("bounds-engines", "nixl", "--max-engines", "2")
+    segments = [SharedSegment.create(64, "kvbt-engines") for _ in range(3)]
+    ids = [f"engine{i}-{os.getpid()}/tp0" for i in range(3)]
+    try:
+        for engine_id, segment in zip(ids[:2], segments):
+            await broker.stub.RegisterEngine(many_layer_buffers(engine_id, 1, segment.name), timeout=30)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await broker.stub.RegisterEngine(many_layer_buffers(ids[2], 1, segments[2].name), timeout=30)
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 engines are registered, the limit of this broker (max_engines)" in refused.value.details()
+        await broker.stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=ids[0]), timeout=30)
+        await broker.stub.RegisterEngine(many_layer_buffers(ids[2], 1, segments[2].name), timeout=30)
+        info = await broker.stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=10)
+        assert sorted(e.engine_id for e in info.engines) == sorted(ids[1:])
+    finally:
+        for segment in segments:
+            segment.close()
+            segment.unlink()
+        assert await close_broker(broker) == 0
+
+
 def test_a_page_list_at_the_bound_fits_the_peer_message_limit():
     from kvbroker.config import Settings
 
