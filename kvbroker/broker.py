@@ -94,6 +94,7 @@ class Broker:
         ended = self.table.live()
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
+        await self.parts.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
         await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s * 2)
         self.stopping.set()
 

@@ -199,8 +199,17 @@ class PartSender:
         if isinstance(offer, Offer):
             self.offers.end(offer, precondition(f"request {record.request_id!r} has failed: {reason}"))
             await self._quiet(offer, wait_s)  # the receiver reuses its pages once told
-            await self._tell_failed(offer, record)
+            await self._tell_failed(offer, record.code, record.reason)
         return 1
+
+    async def withdraw_all(self, code: Code, reason: str) -> None:
+        """The broker stops: every offer it still holds ends, and each receiver is told at once rather
+        than left to its grant's expiry (each told within peer_rpc_timeout_s; an offer whose request a
+        Transfer had named was aborted with it already)."""
+        offers = [offer for offer in self.offers if offer.ended is None]
+        for offer in offers:
+            self.offers.end(offer, BrokerError(code, reason))
+        await asyncio.gather(*(self._tell_failed(offer, int(code), reason) for offer in offers))
 
     # parts out
 
@@ -373,13 +382,13 @@ class PartSender:
             return
         self.offers.end(offer, precondition(f"request {offer.request_id!r} has failed: {error.message}"))
         await self._quiet(offer, self._limits.peer_rpc_timeout_s)  # the receiver reuses its pages once told
-        await self._tell_failed(offer, record)
+        await self._tell_failed(offer, record.code, record.reason)
 
-    async def _tell_failed(self, offer: Offer, record: TransferRecord) -> None:
+    async def _tell_failed(self, offer: Offer, code: int, reason: str) -> None:
         if offer.withdrawn:
             return  # the receiver withdrew it: it knows
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, offer.next_part, 0, False,
-                            code=record.code, reason=record.reason)
+                            code=code, reason=reason)
         try:
             await asyncio.wait_for(self._peers.notify(offer.receiver_address, notice),
                                    self._limits.peer_rpc_timeout_s)

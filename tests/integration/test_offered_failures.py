@@ -90,6 +90,29 @@ async def test_a_sender_broker_that_restarts_between_offer_and_transfer(backend,
         await close_broker(prefill)
 
 
+async def test_a_sender_broker_that_stops_tells_the_receivers_of_the_offers_it_held(backend, brokers, engines,
+                                                                                    request_id):
+    """A drain (SIGTERM) fails every grant offered to the broker at once, with the reason: an offer
+    naming an engine (a request on it) and one naming none, which no request held yet."""
+    prefill = await open_broker(f"prefill-stopping-{backend}", backend)
+    try:
+        src = await engines.make(prefill, "prefill", components=M3)
+        dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
+        before = dst.segment.array.copy()
+        named, unnamed = f"{request_id}-named", f"{request_id}-any"
+        await offer(dst, src, named, {MAIN: [3, 4]}, expiry_ms=120_000)
+        await offer(dst, src, unnamed, {MAIN: [5, 6]}, sender_engine=False, expiry_ms=120_000)
+        watching = [asyncio.create_task(watch_all(dst, r, timeout=60)) for r in (named, unnamed)]
+        assert await close_broker(prefill) == 0
+        for seen in await asyncio.wait_for(asyncio.gather(*watching), 30):  # far before the expiry
+            final = seen[-1]
+            assert final.state == pb.TRANSFER_STATE_FAILED, final
+            assert final.code == grpc.StatusCode.UNAVAILABLE.value[0] and "broker shut down" in final.reason, final
+        assert_bytes(dst, before)
+    finally:
+        await close_broker(prefill)
+
+
 async def test_the_receiver_cancelling_between_parts_stops_the_next_one(brokers, engines, request_id):
     src = await engines.make(brokers.prefill, "prefill", components=M3, seed=11)
     dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
