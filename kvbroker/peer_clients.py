@@ -26,7 +26,7 @@ import asyncio
 import itertools
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -66,7 +66,8 @@ class PeerClients:
 
     def __init__(self, broker_id: str, epoch: int, backend: Backend, *, idle_s: float, rpc_timeout_s: float = 5.0,
                  channel_options: Sequence[tuple[str, object]] = (),
-                 credentials: grpc.ChannelCredentials | None = None, metrics: Metrics | None = None,
+                 credentials: Callable[[], tuple[int, grpc.ChannelCredentials]] | None = None,
+                 metrics: Metrics | None = None,
                  limits: RequestLimits | None = None) -> None:
         self._metrics = metrics
         # half the peer port's message limit for a call's notices: the rest is slack for the framing
@@ -77,8 +78,10 @@ class PeerClients:
         self._epoch = epoch
         self._backend = backend
         self._options = list(channel_options)
-        self._credentials = credentials
-        self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub]] = {}
+        self._credentials = credentials  # the current TLS credentials and their generation (tls.PeerTls)
+        self._rpc_timeout_s = rpc_timeout_s
+        # per peer address: the channel, its stub, the generation of the credentials it was made with
+        self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub, int]] = {}
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
@@ -88,13 +91,22 @@ class PeerClients:
         self.records: dict[str, PeerRecord] = {}
 
     def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
-        if address not in self._channels:
-            if self._credentials is not None:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
-            else:
+        """The address's channel; one made before the TLS files last changed is replaced (its calls
+        under way finish first), so that no reconnection presents a certificate that was rotated out."""
+        entry = self._channels.get(address)
+        if self._credentials is None:
+            if entry is None:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
-            self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel))
-        return self._channels[address][1]
+                entry = self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel), 0)
+            return entry[1]
+        generation, credentials = self._credentials()
+        if entry is not None and entry[2] != generation:
+            self._close_channel(address, grace=self._rpc_timeout_s)
+            entry = None
+        if entry is None:
+            channel = grpc.aio.secure_channel(address, credentials, options=self._options)
+            entry = self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel), generation)
+        return entry[1]
 
     def _track(self, task: asyncio.Task) -> None:
         self._closing.add(task)
@@ -111,10 +123,10 @@ class PeerClients:
         if not task.cancelled() and task.exception() is not None:
             log.warning("transfer engine %s could not disconnect a peer: %s", self._backend.name, task.exception())
 
-    def _close_channel(self, address: str) -> None:
+    def _close_channel(self, address: str, grace: float | None = None) -> None:
         entry = self._channels.pop(address, None)
         if entry is not None:
-            task = asyncio.get_running_loop().create_task(entry[0].close())
+            task = asyncio.get_running_loop().create_task(entry[0].close(grace))
             self._track(task)
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 

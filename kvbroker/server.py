@@ -39,6 +39,7 @@ from kvbroker.metrics import Metrics
 from kvbroker.peer_clients import PeerClients
 from kvbroker.peer_service import PeerServicer
 from kvbroker.service import BrokerServicer
+from kvbroker.tls import PeerTls
 from kvbroker.trim import MemoryTrim
 from kvbroker.trust import PeerGate
 from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
@@ -62,18 +63,13 @@ def new_epoch() -> int:
     return time.time_ns() ^ (os.getpid() << 20)
 
 
-def _read(path: str) -> bytes | None:
-    return Path(path).read_bytes() if path else None
-
-
-def peer_credentials(s: Settings) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
-    """TLS for the peer port: served with our certificate; with a CA, peers must present one it signed."""
+def peer_credentials(s: Settings) -> tuple[grpc.ServerCredentials | None, PeerTls | None]:
+    """TLS for the peer port: served with our certificate; with a CA, peers must present one it signed.
+    The files are re-read when they change (tls.py)."""
     if not s.peer_tls_cert:
         return None, None
-    cert, key, ca = _read(s.peer_tls_cert), _read(s.peer_tls_key), _read(s.peer_tls_ca)
-    server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-    client = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
-    return server, client
+    tls = PeerTls(s.peer_tls_cert, s.peer_tls_key, s.peer_tls_ca)
+    return tls.server_credentials(), tls
 
 
 SOCKET_MODE = 0o660  # the local API's Unix socket: the broker's user and group (the inference server)
@@ -224,7 +220,7 @@ class BrokerServer:
                         s.transfer_timeout_s, s.peer_rpc_timeout_s, s.offer_wait_s, s.max_offers, s.max_aux_bytes,
                         s.max_parts_per_request, s.max_engines)
         epoch = new_epoch()
-        server_credentials, channel_credentials = peer_credentials(s)
+        server_credentials, tls = peer_credentials(s)
         log.info("open-file limit %d", raise_fd_limit())
         channel_options = [("grpc.max_receive_message_length", s.peer_message_bytes),  # a peer's answers too
                            ("grpc.max_send_message_length", s.peer_message_bytes)]
@@ -242,8 +238,8 @@ class BrokerServer:
             log.warning("peers are not authenticated: without mutual TLS (peer_tls_cert, peer_tls_key and "
                         "peer_tls_ca) a peer's broker_id is its own claim, and peer_allow can only trust it")
         peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, rpc_timeout_s=s.peer_rpc_timeout_s,
-                            channel_options=channel_options, credentials=channel_credentials, metrics=self.metrics,
-                            limits=peer_limits)
+                            channel_options=channel_options, credentials=tls and tls.channel_credentials,
+                            metrics=self.metrics, limits=peer_limits)
         broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()
         self.broker, self._peers = broker, peers

@@ -7,6 +7,8 @@ brokers' CA signed for a name of its choosing."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import secrets
 
 import grpc
@@ -211,3 +213,53 @@ async def test_without_tls_a_stranger_still_cannot_fail_or_notify_a_grant(broker
     assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
     assert_bytes(dst, expected_after(src, dst, before, ALL, [0, 1], [7, 8]))
     assert int(np.count_nonzero(dst_offered.segment.array != CANARY)) == 0
+
+
+def rotate(identity: Identity, ca: trustme.CA, directory) -> Identity:
+    """Replace `identity`'s files, each atomically (as a Secret volume or cert-manager's csi-driver
+    does), with a certificate of `ca`; the new identity, for raw clients."""
+    fresh = Identity(ca, directory, identity.name)
+    for kind, path in identity.paths.items():
+        os.replace(fresh.paths[kind], path)
+    return fresh
+
+
+async def handshake_code(address: str, identity: Identity, backend: str) -> grpc.StatusCode:
+    """What a new connection presenting `identity` gets from a Handshake naming no engine."""
+    async with grpc.aio.secure_channel(address, identity.credentials) as channel:
+        call = ppb_grpc.PeerServiceStub(channel).Handshake(
+            ppb.HandshakeRequest(broker_id=identity.name, engine_id="nobody/tp0", backend=backend), timeout=5)
+        return await code_of(call)
+
+
+async def test_rotated_certificates_are_taken_without_a_restart(tmp_path, backend, engines, request_id):
+    """Both brokers' files move to a new CA while they run: new connections, served and dialled,
+    use the new pair, the old CA is no longer trusted, and a transfer runs across."""
+    old_ca, new_ca = trustme.CA(), trustme.CA()
+    ids = {name: Identity(old_ca, tmp_path, name) for name in ("decode-r", "prefill-r")}
+    decode = await open_broker("decode-r", backend, *ids["decode-r"].flags, "--peer-allow", "prefill-r")
+    prefill = await open_broker("prefill-r", backend, *ids["prefill-r"].flags, "--peer-allow", "decode-r")
+    try:
+        src = await engines.make(prefill, "prefill", components=M3, seed=23)
+        dst = await engines.make(decode, "decode", components=M3, fill="canary")
+        before = dst.segment.array.copy()
+        await offer(dst, src, f"{request_id}-old", {MAIN: [5, 6]})
+        assert (await part(src, f"{request_id}-old", {MAIN: [0, 1]})).status.state == pb.TRANSFER_STATE_SUCCEEDED
+
+        (tmp_path / "new").mkdir()
+        rotated = {name: rotate(identity, new_ca, tmp_path / "new") for name, identity in ids.items()}
+        for _ in range(75):  # up to 15 s: the files settle (tls.SETTLE_S), then a new connection takes them
+            code = await handshake_code(decode.peer_address, rotated["prefill-r"], backend)
+            if code != grpc.StatusCode.UNAVAILABLE:
+                break
+            await asyncio.sleep(0.2)
+        assert code == grpc.StatusCode.NOT_FOUND  # TLS passed with the new CA: the engine is what is missing
+        assert await handshake_code(decode.peer_address, ids["prefill-r"], backend) == grpc.StatusCode.UNAVAILABLE
+
+        await offer(dst, src, f"{request_id}-new", {MAIN: [7, 8]})
+        done = await part(src, f"{request_id}-new", {MAIN: [2, 3]})
+        assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+        assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [0, 1], [5, 6]), (MAIN, [2, 3], [7, 8])]))
+    finally:
+        await close_broker(prefill)
+        await close_broker(decode)
