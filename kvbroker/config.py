@@ -61,8 +61,8 @@ class Settings(BaseSettings):
     max_layer_buffers: int = Field(4096, gt=0, description="layer buffers of one engine, at registration and in a "
                                                            "peer's handshake answer")
     max_peer_reads: int = Field(32, gt=0, description="peer API requests received and parsed at once; the others "
-                                                      "wait, unread, up to peer_rpc_timeout_s: what requests take "
-                                                      "stays under max_peer_reads × max_peer_message_bytes")
+                                                      "wait, their requests unread (64 KiB of each buffered), up to "
+                                                      "peer_rpc_timeout_s")
     max_reads_per_peer: int = Field(8, gt=0, description="of max_peer_reads, how many one peer host may hold at once")
     max_peer_streams: int = Field(100, gt=0, description="calls one peer connection carries at once (HTTP/2 "
                                                          "concurrent streams); the peer queues more")

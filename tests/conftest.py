@@ -6,6 +6,7 @@ namespace with only loopback, because UCX and Mooncake listen on all interfaces.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -60,6 +61,17 @@ async def open_broker(name: str, backend: str, *args: str, **options) -> Broker:
     process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args, **options)
     channel = grpc.aio.insecure_channel(process.listen)
     return Broker(process, channel, bpb_grpc.BrokerServiceStub(channel))
+
+
+async def until(condition, timeout: float = 10.0) -> bool:
+    """Poll `condition` until it holds or `timeout` passes; returns its last value. For states no
+    event announces (a process's memory, an engine's peers, a sweeper's work)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if (held := condition()) or loop.time() > deadline:
+            return held
+        await asyncio.sleep(0.01)
 
 
 async def close_broker(broker: Broker) -> int:

@@ -11,7 +11,6 @@ import os
 import resource
 import socket
 import time
-from collections.abc import Callable
 
 import grpc
 import numpy as np
@@ -22,7 +21,7 @@ from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
-from tests.conftest import ALL, close_broker, open_broker
+from tests.conftest import ALL, close_broker, open_broker, until
 
 pytestmark = pytest.mark.integration
 
@@ -75,15 +74,6 @@ class Watch:
             self._stop.set()
             await task
 
-
-async def until(condition: Callable[[], bool], timeout: float) -> bool:
-    """Poll `condition` until it holds or `timeout` passes; its last value."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if (met := condition()) or loop.time() > deadline:
-            return met
-        await asyncio.sleep(0.1)
 
 
 async def settled_rss(pid: int, bound: float, timeout: float = 10.0) -> float:

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.conftest import close_broker, open_broker
+from tests.conftest import close_broker, open_broker, until
 
 pytestmark = pytest.mark.integration
 
@@ -93,11 +93,3 @@ async def flood_and_count(broker) -> None:
     malformed = [line for line in lines[before:] if "not a valid message" in line]
     assert 1 <= len(malformed) <= 2, malformed  # 2: the interval may turn over once while the 100 run
 
-
-async def until(condition, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if (met := condition()) or loop.time() > deadline:
-            return met
-        await asyncio.sleep(0.05)

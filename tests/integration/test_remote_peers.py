@@ -39,6 +39,7 @@ from tests.conftest import (
     expected_after,
     open_broker,
     run_engines_in_child,
+    until,
 )
 from tests.integration.test_failures import free_port
 from tests.integration.test_transfer import grant, transfer
@@ -116,16 +117,6 @@ async def peer_addresses(broker) -> set[str]:
 
 
 IDLE_S = 2.0
-
-
-async def until(condition, timeout: float):
-    """Poll `condition` until it is true or `timeout` passes; returns its last value."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if (value := condition()) or loop.time() > deadline:
-            return value
-        await asyncio.sleep(0.05)
 
 
 def connected(broker) -> list[str]:

@@ -19,6 +19,7 @@ from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout,
 from kvbroker.peer_clients import PeerClients
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from tests.conftest import until
 
 TIMEOUT = 5.0
 IDLE_S = 0.5
@@ -122,16 +123,6 @@ async def session(clients: PeerClients, address: str, engine_id: str, refresh: b
 
 def sweepers() -> int:
     return sum(task.get_name() == "peer idle sweeper" and not task.done() for task in asyncio.all_tasks())
-
-
-async def until(condition, timeout: float = TIMEOUT) -> bool:
-    """Poll `condition` until it holds or `timeout` passes; returns its last value."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if (held := condition()) or loop.time() > deadline:
-            return held
-        await asyncio.sleep(0.01)
 
 
 # -- epochs ---------------------------------------------------------------------------------------

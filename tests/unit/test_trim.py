@@ -5,15 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from kvbroker.trim import MemoryTrim
-
-
-async def until(condition, timeout: float) -> bool:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if (met := condition()) or loop.time() > deadline:
-            return met
-        await asyncio.sleep(0.01)
+from tests.conftest import until
 
 
 async def test_a_trim_follows_big_requests_once_they_stop():
