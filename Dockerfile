@@ -24,7 +24,7 @@ RUN apt-get update \
 
 FROM base AS build
 ARG FLAVOR
-# gcc compiles kvbroker's one C extension, the SIGBUS guard (kvbroker/_memguard.c); it stays in this
+# gcc compiles kvbroker's one C extension, the SIGBUS guard (kvbroker/memory/_memguard.c); it stays in this
 # stage. Versions follow the base image's Debian release.
 # hadolint ignore=DL3008
 RUN apt-get update \
@@ -69,5 +69,5 @@ EXPOSE 50052 9400
 # Checks the local API (KVBROKER_LISTEN) through grpc.health.v1; set addresses through KVBROKER_*
 # variables rather than flags so that the check follows them.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
-    CMD ["python", "-m", "kvbroker.probe", "--timeout", "3"]
+    CMD ["python", "-m", "kvbroker.ops.probe", "--timeout", "3"]
 ENTRYPOINT ["kvbroker", "serve"]

@@ -53,8 +53,8 @@ sys.path[:0] = [p for p in _PATHS if p not in sys.path]
 os.environ["PYTHONPATH"] = os.pathsep.join([*_PATHS, *filter(None, [os.environ.get("PYTHONPATH")])])
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # what start_broker gives the brokers, for the direct path too
 
-from kvbroker.memory import plan_pool  # noqa: E402
-from kvbroker.planner import plan_runs  # noqa: E402
+from kvbroker.core.planner import plan_runs  # noqa: E402
+from kvbroker.memory.mapping import plan_pool  # noqa: E402
 from kvbroker.tools import shapes  # noqa: E402
 
 MiB = 1 << 20
@@ -207,7 +207,7 @@ def serve(role: str, broker: str, device: int, ownership: str, shape: shapes.Mod
         reply = stub.RegisterEngine(request, timeout=120)
         offsets = [p.offset for p in placements]
     else:
-        from kvbroker.cuda import load_driver
+        from kvbroker.memory.cuda import load_driver
 
         request = register_request(engine_id, shape, placements, None, device)
         request.session_id = session_id
@@ -377,7 +377,7 @@ async def session_end(server: Server, stub, timeout: float) -> dict:
 
 def gpu_buffers(shape: shapes.ModelShape, placements, base: int, device: int):
     """Layer buffers as the broker orders them for a transfer (by component, then layer and role), on a GPU."""
-    from kvbroker.model import BufferLayout, BufferRole, MemoryKind
+    from kvbroker.core.model import BufferLayout, BufferRole, MemoryKind
 
     out = []
     for kind in COMPONENTS:
@@ -393,8 +393,8 @@ async def direct_stage(check: Check, shape: shapes.ModelShape, devices: tuple[in
 
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
-    from kvbroker.model import Region
-    from kvbroker.planner import build_descriptors
+    from kvbroker.core.model import Region
+    from kvbroker.core.planner import build_descriptors
 
     placements = shapes.place_buffers(shape)
     size = shapes.pool_size(shape, placements)

@@ -1,4 +1,4 @@
-"""What memory safety costs (kvbroker/memory.py): reservation at registration, the per-write check,
+"""What memory safety costs (kvbroker/memory/mapping.py): reservation at registration, the per-write check,
 absorbing a SIGBUS. JSON on stdout (or --out), a summary on stderr.
 
     scripts/in-netns.sh .venv/bin/python benchmarks/memsafe.py --out benchmarks/out/memsafe.json
@@ -60,7 +60,7 @@ def new_segment(size: int, *, allocate: bool) -> Path:
 
 
 def reserve_section(shape: shapes.ModelShape, repeats: int) -> dict:
-    from kvbroker.memory import map_shared_memory
+    from kvbroker.memory.mapping import map_shared_memory
 
     placements = shapes.place_buffers(shape)
     size = shapes.pool_size(shape, placements)
@@ -131,7 +131,7 @@ async def register_section(shape: shapes.ModelShape, repeats: int, backends: lis
 
 
 def check_section(calls: int) -> dict:
-    from kvbroker.memory import check_segments, map_shared_memory
+    from kvbroker.memory.mapping import check_segments, map_shared_memory
 
     path = new_segment(1 << 20, allocate=True)
     seg = map_shared_memory(path.name, "bench")
@@ -159,7 +159,7 @@ def check_section(calls: int) -> dict:
 
 GUARD_CHILD = textwrap.dedent("""
     import ctypes, json, os, threading, time
-    from kvbroker.memory import map_shared_memory
+    from kvbroker.memory.mapping import map_shared_memory
     size = 1 << 30
     name = f"kvb-memsafe-guard-{os.getpid()}"
     fd = os.open("/dev/shm/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -3,8 +3,8 @@
 serve: runs one broker until SIGTERM/SIGINT (the first drains, a second forces an exit); prints
 one JSON line on stdout when both listeners are bound, with their resolved addresses.
 demo: two brokers in subprocesses, one MiniMax-M3-shaped request, every byte verified.
-status: a running broker's engines, peers and counters (kvbroker/status.py).
-health: exit 0 if a broker reports SERVING (kvbroker/probe.py; the image's HEALTHCHECK).
+status: a running broker's engines, peers and counters (kvbroker/ops/status.py).
+health: exit 0 if a broker reports SERVING (kvbroker/ops/probe.py; the image's HEALTHCHECK).
 bench: the benchmark suite (kvbroker/tools/bench.py): a table on the terminal, JSON with --json / --out.
 
 The tooling (kvbroker/tools: demo, bench) is imported only inside its command's branch, as SGLang's
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kvbroker import logs, probe, status
 from kvbroker.config import Settings, add_settings_arguments, settings_from_args
+from kvbroker.ops import logs, probe, status
 
 
 async def serve(settings: Settings) -> int:

@@ -31,17 +31,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvbroker.admission import Admission, PeerReads, RequestLimits
 from kvbroker.backends import create_backend
-from kvbroker.broker import Broker, Limits
 from kvbroker.config import Settings
-from kvbroker.metrics import Metrics
-from kvbroker.peer_clients import PeerClients
-from kvbroker.peer_service import PeerServicer
-from kvbroker.service import BrokerServicer
-from kvbroker.tls import PeerTls
-from kvbroker.trim import MemoryTrim
-from kvbroker.trust import PeerGate
+from kvbroker.edge.admission import Admission, PeerReads, RequestLimits
+from kvbroker.edge.peer_service import PeerServicer
+from kvbroker.edge.service import BrokerServicer
+from kvbroker.edge.tls import PeerTls
+from kvbroker.edge.trust import PeerGate
+from kvbroker.flows.broker import Broker, Limits
+from kvbroker.ops.metrics import Metrics
+from kvbroker.ops.trim import MemoryTrim
+from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import broker_service_pb2, broker_service_pb2_grpc, peer_service_pb2, peer_service_pb2_grpc
 
 log = logging.getLogger(__name__)

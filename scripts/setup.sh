@@ -30,7 +30,7 @@ extras="nixl,mooncake-cpu"
 # sglang's own requirements pin torch 2.14.1 (CUDA) and GPU kernels; PyPI's torchvision is a CUDA build
 # that cannot load its ops on CPU torch (tests/sglang/conftest.py says how the suite lives with that).
 sglang_pins="sglang==0.5.23 torchvision==0.28.0"
-inputs=$(cat pyproject.toml setup.py kvbroker/_memguard.c clients/python/pyproject.toml clients/sglang/pyproject.toml \
+inputs=$(cat pyproject.toml setup.py kvbroker/memory/_memguard.c clients/python/pyproject.toml clients/sglang/pyproject.toml \
     constraints/cpu.txt constraints/sglang-cpu.txt; echo "$extras $sglang_pins")
 if [[ ! -f $stamp ]] || [[ "$(cat "$stamp")" != "$(sha256sum <<<"$inputs" | cut -d' ' -f1)" ]]; then
     .venv/bin/python -m pip install -q --upgrade pip

@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvbroker.model import Descriptors, Region
+from kvbroker.core.model import Descriptors, Region
 
 S = TypeVar("S")
 

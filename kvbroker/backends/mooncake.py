@@ -39,7 +39,7 @@ import numpy as np
 
 from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRefs, TransferFailed
-from kvbroker.model import Descriptors, Region
+from kvbroker.core.model import Descriptors, Region
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ import numpy as np
 
 from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRef, PeerRefs, TransferFailed
-from kvbroker.model import Descriptors, MemoryKind, Region
+from kvbroker.core.model import Descriptors, MemoryKind, Region
 
 log = logging.getLogger(__name__)
 

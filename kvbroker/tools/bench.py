@@ -442,7 +442,7 @@ def _median_seconds(repeats: int, fn: Callable, *args) -> float:
 
 
 def _plan_and_build(src: np.ndarray, dst: np.ndarray, src_buffers, dst_buffers):
-    from kvbroker.planner import build_descriptors, plan_runs
+    from kvbroker.core.planner import build_descriptors, plan_runs
 
     return build_descriptors(plan_runs(src, dst), src_buffers, dst_buffers)
 
@@ -455,8 +455,8 @@ ROW_CAP = 12_000_000  # descriptors per side kept in memory at once (288 MB) for
 
 
 def planner(plan: Plan, rng: np.random.Generator, say) -> dict:
-    from kvbroker.model import BufferLayout, BufferRole
-    from kvbroker.planner import plan_runs
+    from kvbroker.core.model import BufferLayout, BufferRole
+    from kvbroker.core.planner import plan_runs
 
     one_src = [BufferLayout(0, BufferRole.K, 1 << 40, 1 << 36, BENCH_ENGINE.kv_item_len)]
     one_dst = [BufferLayout(0, BufferRole.K, 1 << 41, 1 << 36, BENCH_ENGINE.kv_item_len)]

@@ -113,7 +113,7 @@ async def _direct_setup(command: dict, sender, receiver, state: dict) -> dict:
     A receiver-only child answers with its metadata and its destination pool's address, which the
     parent hands to a sender-only child in another process.
     """
-    from kvbroker.model import Region
+    from kvbroker.core.model import Region
     from kvbroker_client.shm import SharedSegment
 
     shape = shapes.ModelShape(**command["shape"])
@@ -148,7 +148,7 @@ async def _direct_child(backend: str) -> None:
     """The engine without a broker: Backend instances the parent drives over stdin, one JSON line each."""
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
-    from kvbroker.planner import build_descriptors, plan_runs
+    from kvbroker.core.planner import build_descriptors, plan_runs
 
     out = _protocol_stream()
     loop = asyncio.get_running_loop()

@@ -230,7 +230,7 @@ def page_lists(pattern: str, pages: int, pool: int,
 
 def engine_buffers(shape: ModelShape, placements, base: int, components=ALL):
     """Layer buffers as the broker orders them for a transfer: by component, then (layer, role)."""
-    from kvbroker.model import BufferLayout, BufferRole
+    from kvbroker.core.model import BufferLayout, BufferRole
 
     out = []
     for kind in components:

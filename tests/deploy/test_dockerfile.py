@@ -106,7 +106,7 @@ def test_default_settings_are_a_unix_socket_the_peer_port_and_json_logs():
 
 def test_healthcheck_asks_the_grpc_health_service():
     healthcheck = only("HEALTHCHECK")
-    assert healthcheck.exec_form()[:3] == ["python", "-m", "kvbroker.probe"]
+    assert healthcheck.exec_form()[:3] == ["python", "-m", "kvbroker.ops.probe"]
     assert {"interval", "timeout", "start-period", "retries"} <= set(healthcheck.flags())
 
 
@@ -133,7 +133,7 @@ def test_build_context_builds_both_packages(tmp_path):
         "kvbroker", "kvbroker_client"]
     (daemon,) = (tmp_path / "wheels").glob("kvbroker-*.whl")
     with zipfile.ZipFile(daemon) as wheel:  # the SIGBUS guard is compiled into it
-        assert [n for n in wheel.namelist() if n.startswith("kvbroker/_memguard.") and n.endswith(".so")]
+        assert [n for n in wheel.namelist() if n.startswith("kvbroker/memory/_memguard.") and n.endswith(".so")]
 
 
 @pytest.mark.integration

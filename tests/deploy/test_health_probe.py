@@ -1,4 +1,4 @@
-"""`kvbroker.probe`: the HEALTHCHECK's view of a grpc.health.v1 server (here a bare one, no broker)."""
+"""`kvbroker.ops.probe`: the HEALTHCHECK's view of a grpc.health.v1 server (here a bare one, no broker)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvbroker import probe
+from kvbroker.ops import probe
 
 SERVICE = "kvbroker.v1.BrokerService"
 

@@ -28,7 +28,7 @@ from tests.deploy.conftest import (
 # 1.29: the first release with native sidecars on by default; and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29.0", kubernetes_validate.latest_version())
 EXTENDED = re.compile(r"^(nvidia\.com/gpu|rdma/.+)$")
-# The probe the image's HEALTHCHECK runs: `python -m kvbroker.probe`, on the image's PATH.
+# The probe the image's HEALTHCHECK runs: `python -m kvbroker.ops.probe`, on the image's PATH.
 PROBE = next(i for i in dockerfile_instructions() if i.keyword == "HEALTHCHECK").exec_form()[:3]
 # Variables the transfer engines read, which the broker sets from KVBROKER_DATA_PORT_RANGE: set in a
 # container, they would override it.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvbroker.config import Settings
-from kvbroker.errors import Code
+from kvbroker.core.errors import Code
 from tests.deploy.conftest import REPO, tool
 
 DOC = REPO / "README.md"

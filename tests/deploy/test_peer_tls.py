@@ -16,7 +16,7 @@ import grpc
 import pytest
 import trustme
 
-from kvbroker.probe import check
+from kvbroker.ops.probe import check
 from tests.deploy.conftest import OTHER_ROLE, broker, literal_env, one, pod_spec, server, settings, volume
 
 TLS_FILES = {"KVBROKER_PEER_TLS_CERT": "certificate-file", "KVBROKER_PEER_TLS_KEY": "privatekey-file",

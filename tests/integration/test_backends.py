@@ -21,7 +21,7 @@ import pytest
 
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
-from kvbroker.model import Descriptors, Region
+from kvbroker.core.model import Descriptors, Region
 from kvbroker.tools import shapes
 from kvbroker.tools.launch import exit_report
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -112,7 +112,7 @@ async def test_engine_refusal_is_transfer_failed_and_the_next_write_still_works(
 
 # A receiver that registers its memory, says where it is, and then does nothing: the test stops it.
 RECEIVER = ("import asyncio, json, sys, numpy as np; from kvbroker.backends import create_backend; "
-            "from kvbroker.config import Settings; from kvbroker.model import Region\n"
+            "from kvbroker.config import Settings; from kvbroker.core.model import Region\n"
             "async def main():\n"
             "    backend = create_backend(Settings(backend='mooncake', peer_listen='127.0.0.1:0'), 'receiver')\n"
             "    await backend.start()\n"

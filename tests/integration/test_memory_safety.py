@@ -1,4 +1,4 @@
-"""Memory a server hands over cannot take the broker down (kvbroker/memory.py).
+"""Memory a server hands over cannot take the broker down (kvbroker/memory/mapping.py).
 
 A segment shrunk after registration fails its own engine's transfers with FAILED_PRECONDITION
 naming it, on the receiving and on the sending side, and every other engine on the broker keeps
@@ -295,9 +295,9 @@ async def copy_into_shrunk_segments(backend: str) -> dict:
 
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
-    from kvbroker.errors import BrokerError
-    from kvbroker.memory import map_shared_memory
-    from kvbroker.model import Descriptors, Region
+    from kvbroker.core.errors import BrokerError
+    from kvbroker.core.model import Descriptors, Region
+    from kvbroker.memory.mapping import map_shared_memory
     from tests.integration.test_remote_peers import _rows
 
     os.environ.update(TCP)

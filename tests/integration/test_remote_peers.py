@@ -25,7 +25,7 @@ import pytest
 
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
-from kvbroker.model import Descriptors, Region
+from kvbroker.core.model import Descriptors, Region
 from kvbroker.tools.launch import exit_description, start_broker
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -214,7 +214,7 @@ RECEIVER = textwrap.dedent("""
     import asyncio, base64, json, os, sys
     from kvbroker.backends import create_backend
     from kvbroker.config import Settings
-    from kvbroker.model import Region
+    from kvbroker.core.model import Region
     from kvbroker_client.shm import SharedSegment
 
     async def main(backend, name, size):

@@ -9,7 +9,8 @@ import grpc
 import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
-from kvbroker.admission import (
+from kvbroker.config import SMALL_MESSAGE_BYTES, Settings, page_list_bytes, varint_bytes
+from kvbroker.edge.admission import (
     LAYER_BUFFER_BYTES,
     LAYER_BUFFER_METHODS,
     MAX_LIST_ENTRIES,
@@ -20,7 +21,6 @@ from kvbroker.admission import (
     SlotTimeout,
     peer_host,
 )
-from kvbroker.config import SMALL_MESSAGE_BYTES, Settings, page_list_bytes, varint_bytes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb

@@ -16,15 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker import convert
 from kvbroker.backends import backend_options
 from kvbroker.backends.mooncake import MooncakeBackend
 from kvbroker.backends.nixl import NixlBackend
 from kvbroker.config import Settings
-from kvbroker.cuda import CudaError, CudaUnavailable, OpenedAllocation
-from kvbroker.errors import BrokerError, Code
-from kvbroker.memory import POOL_ALIGNMENT, GpuMemory, plan_pool
-from kvbroker.model import (
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
     BrokerAllocation,
     BufferLayout,
     BufferRole,
@@ -41,9 +38,12 @@ from kvbroker.model import (
     SharedMemoryRef,
     Topology,
 )
-from kvbroker.planner import build_descriptors, plan_runs
-from kvbroker.registry import Registry
-from kvbroker.validation import validate_spec
+from kvbroker.core.planner import build_descriptors, plan_runs
+from kvbroker.core.validation import validate_spec
+from kvbroker.edge import convert
+from kvbroker.flows.registry import Registry
+from kvbroker.memory.cuda import CudaError, CudaUnavailable, OpenedAllocation
+from kvbroker.memory.mapping import POOL_ALIGNMENT, GpuMemory, plan_pool
 from kvbroker_client.model import CudaIpcRef as ClientCudaIpcRef
 from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
 from kvbroker_client.v1 import broker_service_pb2 as bpb

@@ -8,7 +8,7 @@ import enum
 
 import pytest
 
-from kvbroker import model
+from kvbroker.core import model
 from kvbroker_client import model as client_model
 from kvbroker_client.v1 import broker_service_pb2, common_pb2
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker import convert
-from kvbroker.memory import POOL_ALIGNMENT
-from kvbroker.model import BrokerAllocation, Component, Layout
-from kvbroker.model import CudaIpcRef as BrokerCudaIpcRef
+from kvbroker.core.model import BrokerAllocation, Component, Layout
+from kvbroker.core.model import CudaIpcRef as BrokerCudaIpcRef
+from kvbroker.edge import convert
+from kvbroker.memory.mapping import POOL_ALIGNMENT
 from kvbroker.tools import shapes
 from kvbroker_client.model import CudaIpcRef
 from kvbroker_client.v1 import broker_service_pb2 as bpb

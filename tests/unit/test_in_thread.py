@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvbroker.broker import _in_thread
+from kvbroker.flows.broker import _in_thread
 
 
 async def test_the_event_loop_runs_while_the_work_blocks():

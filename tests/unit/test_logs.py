@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvbroker import logs
+from kvbroker.ops import logs
 
 
 class Terminal(io.StringIO):

@@ -17,10 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker import memory
-from kvbroker.errors import BrokerError, Code
-from kvbroker.memory import map_shared_memory, segment_identity
-from kvbroker.model import (
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
     BufferRole,
     Component,
     ComponentSpec,
@@ -31,7 +29,9 @@ from kvbroker.model import (
     SharedMemoryRef,
     Topology,
 )
-from kvbroker.registry import Registry
+from kvbroker.flows.registry import Registry
+from kvbroker.memory import mapping as memory
+from kvbroker.memory.mapping import map_shared_memory, segment_identity
 from kvbroker_client.shm import SharedSegment
 
 SHM = Path("/dev/shm")
@@ -61,7 +61,7 @@ def child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     then truncated to 0) at hand."""
     prelude = textwrap.dedent("""
         import ctypes, os, signal, sys, threading
-        from kvbroker.memory import map_shared_memory
+        from kvbroker.memory.mapping import map_shared_memory
         from kvbroker_client.shm import SharedSegment
 
         def touch(address, n):

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbroker.errors import Code
-from kvbroker.metrics import Metrics, split_address
-from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, Layout
-from kvbroker.transfers import TransferTable
+from kvbroker.core.errors import Code
+from kvbroker.core.model import BufferLayout, BufferRole, Component, ComponentLayout, Layout
+from kvbroker.flows.transfers import TransferTable
+from kvbroker.ops.metrics import Metrics, split_address
 
 MAIN_KV, INDEX_K = Component.MAIN_KV, Component.MINIMAX_INDEX_K
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.notifier import Notifier
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.peers.notifier import Notifier
 
 
 class Peer:

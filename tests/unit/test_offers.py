@@ -7,9 +7,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.model import Component
-from kvbroker.offers import Offer, OfferBook
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import Component
+from kvbroker.flows.offers import Offer, OfferBook
 
 MAIN = Component.MAIN_KV
 

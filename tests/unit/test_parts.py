@@ -8,9 +8,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
-from kvbroker.parts import Coverage, Landed, Landing, PartPages, landed_bytes, plan_part
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
+    BufferLayout,
+    BufferRole,
+    Component,
+    ComponentLayout,
+    EngineLayout,
+    KvDtype,
+    Layout,
+    Topology,
+)
+from kvbroker.core.parts import Coverage, Landed, Landing, PartPages, landed_bytes, plan_part
 
 MAIN, INDEX, DENSE = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 4, 0, 4, KvDtype.BFLOAT16)

@@ -12,11 +12,20 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest_asyncio
 
-from kvbroker import convert
 from kvbroker.backends.base import Backend
-from kvbroker.metrics import Metrics
-from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
-from kvbroker.peer_clients import PeerClients
+from kvbroker.core.model import (
+    BufferLayout,
+    BufferRole,
+    Component,
+    ComponentLayout,
+    EngineLayout,
+    KvDtype,
+    Layout,
+    Topology,
+)
+from kvbroker.edge import convert
+from kvbroker.ops.metrics import Metrics
+from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import until

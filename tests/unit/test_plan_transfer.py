@@ -6,9 +6,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
-from kvbroker.planner import plan_transfer
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
+    BufferLayout,
+    BufferRole,
+    Component,
+    ComponentLayout,
+    EngineLayout,
+    KvDtype,
+    Layout,
+    Topology,
+)
+from kvbroker.core.planner import plan_transfer
 
 TOPOLOGY = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 MAIN, INDEX = Component.MAIN_KV, Component.MINIMAX_INDEX_K

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbroker.model import BufferLayout, BufferRole
-from kvbroker.planner import build_descriptors, plan_runs
+from kvbroker.core.model import BufferLayout, BufferRole
+from kvbroker.core.planner import build_descriptors, plan_runs
 
 
 def naive_runs(src, dst):

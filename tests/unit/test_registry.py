@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.model import (
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
     BufferRole,
     Component,
     ComponentSpec,
@@ -18,8 +18,8 @@ from kvbroker.model import (
     SharedMemoryRef,
     Topology,
 )
-from kvbroker.registry import Registry
-from kvbroker.validation import validate_spec
+from kvbroker.core.validation import validate_spec
+from kvbroker.flows.registry import Registry
 from kvbroker_client.shm import SharedSegment
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)

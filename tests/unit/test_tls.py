@@ -7,8 +7,8 @@ import os
 import pytest
 import trustme
 
-from kvbroker import tls
-from kvbroker.tls import PeerTls
+from kvbroker.edge import tls
+from kvbroker.edge.tls import PeerTls
 
 
 class Clock:

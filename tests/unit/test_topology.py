@@ -7,9 +7,18 @@ import dataclasses
 import numpy as np
 import pytest
 
-from kvbroker import topology
-from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
+from kvbroker.core import topology
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
+    BufferLayout,
+    BufferRole,
+    Component,
+    ComponentLayout,
+    EngineLayout,
+    KvDtype,
+    Layout,
+    Topology,
+)
 
 BASE = Topology(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0, dp_rank=0,
                 page_size=16, start_layer=0, end_layer=4, kv_dtype=KvDtype.BFLOAT16)

@@ -11,10 +11,10 @@ import asyncio
 
 import numpy as np
 
-from kvbroker.errors import Code
-from kvbroker.model import Component, TransferState
-from kvbroker.parts import Landing
-from kvbroker.transfers import OfferedGrant, TransferTable
+from kvbroker.core.errors import Code
+from kvbroker.core.model import Component, TransferState
+from kvbroker.core.parts import Landing
+from kvbroker.flows.transfers import OfferedGrant, TransferTable
 
 MAIN_KV = Component.MAIN_KV
 WAIT_S = 5.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kvbroker.trim import MemoryTrim
+from kvbroker.ops.trim import MemoryTrim
 from tests.conftest import until
 
 

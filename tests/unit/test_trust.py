@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.trust import SAN_PROPERTY, PeerGate, PeerIdentity
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.edge.trust import SAN_PROPERTY, PeerGate, PeerIdentity
 
 CERT = {SAN_PROPERTY: [b"prefill-0", b"prefill-0.kvbroker.svc"], "transport_security_type": [b"ssl"]}
 

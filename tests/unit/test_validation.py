@@ -5,9 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbroker.errors import BrokerError, Code
-from kvbroker.model import BufferLayout, BufferRole, Component, ComponentLayout, EngineLayout, KvDtype, Layout, Topology
-from kvbroker.validation import check_aux, check_grant_pages, check_part_pages, check_peer_address
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import (
+    BufferLayout,
+    BufferRole,
+    Component,
+    ComponentLayout,
+    EngineLayout,
+    KvDtype,
+    Layout,
+    Topology,
+)
+from kvbroker.core.validation import check_aux, check_grant_pages, check_part_pages, check_peer_address
 
 MAIN, INDEX, INDEX_KV = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_INDEX_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)

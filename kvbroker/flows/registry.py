@@ -18,17 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvbroker.errors import BrokerError, Code, invalid, not_found
-from kvbroker.memory import (
-    BrokerPool,
-    GpuMemory,
-    ImportLease,
-    MappedSegment,
-    map_shared_memory,
-    plan_pool,
-    segment_identity,
-)
-from kvbroker.model import (
+from kvbroker.core.errors import BrokerError, Code, invalid, not_found
+from kvbroker.core.model import (
     BufferLayout,
     ComponentLayout,
     CudaIpcRef,
@@ -39,7 +30,16 @@ from kvbroker.model import (
     Region,
     SharedMemoryRef,
 )
-from kvbroker.validation import validate_spec
+from kvbroker.core.validation import validate_spec
+from kvbroker.memory.mapping import (
+    BrokerPool,
+    GpuMemory,
+    ImportLease,
+    MappedSegment,
+    map_shared_memory,
+    plan_pool,
+    segment_identity,
+)
 
 log = logging.getLogger(__name__)
 

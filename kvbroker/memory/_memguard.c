@@ -1,4 +1,4 @@
-/* The broker's SIGBUS guard and tmpfs reservation, for kvbroker/memory.py (which documents the why).
+/* The broker's SIGBUS guard and tmpfs reservation, for kvbroker/memory/mapping.py (which documents the why).
 
    A transfer engine's own threads (UCX's progress thread, Mooncake's workers) copy bytes into and
    out of the shared-memory segments servers register. When a server shrinks its segment after
@@ -256,7 +256,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvbroker._memguard", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvbroker.memory._memguard", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__memguard(void) {
     PyObject *m = PyModule_Create(&module);

@@ -22,10 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbroker import topology
-from kvbroker.errors import BrokerError, Code, invalid, precondition
-from kvbroker.memory import MAX_DEVICE_ORDINAL, check_cuda_ref
-from kvbroker.model import (
+from kvbroker.core import topology
+from kvbroker.core.errors import BrokerError, Code, invalid, precondition
+from kvbroker.core.model import (
     BufferRole,
     Component,
     CudaIpcRef,
@@ -35,6 +34,7 @@ from kvbroker.model import (
     SharedMemoryRef,
     Topology,
 )
+from kvbroker.memory.mapping import MAX_DEVICE_ORDINAL, check_cuda_ref
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 OFFER_TOKEN = re.compile(r"[0-9a-f]{32}")

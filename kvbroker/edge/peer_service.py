@@ -14,14 +14,14 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 
 from __future__ import annotations
 
-from kvbroker import convert
 from kvbroker.backends.base import TransferFailed
-from kvbroker.broker import Broker
-from kvbroker.edge import translate_errors
-from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.notifier import MAX_BATCH
-from kvbroker.registry import unknown_engine
-from kvbroker.trust import PeerGate, PeerIdentity
+from kvbroker.core.errors import BrokerError, Code, invalid
+from kvbroker.edge import convert
+from kvbroker.edge.codes import translate_errors
+from kvbroker.edge.trust import PeerGate, PeerIdentity
+from kvbroker.flows.broker import Broker
+from kvbroker.flows.registry import unknown_engine
+from kvbroker.peers.notifier import MAX_BATCH
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 

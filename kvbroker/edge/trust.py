@@ -16,7 +16,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvbroker.errors import BrokerError, Code
+from kvbroker.core.errors import BrokerError, Code
 
 SAN_PROPERTY = "x509_subject_alternative_name"
 

@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from kvbroker.errors import BrokerError, Code
+from kvbroker.core.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
 

@@ -32,17 +32,17 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from kvbroker import convert
-from kvbroker.admission import RequestLimits
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.edge import from_rpc_error
-from kvbroker.errors import BrokerError, Code
-from kvbroker.metrics import Metrics
-from kvbroker.model import Component, TransferState
-from kvbroker.notifier import Notifier
-from kvbroker.peer_idle import IdlePeers
-from kvbroker.peer_link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
-from kvbroker.transfers import Grant, TransferStatus
+from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import Component, TransferState
+from kvbroker.edge import convert
+from kvbroker.edge.admission import RequestLimits
+from kvbroker.edge.codes import from_rpc_error
+from kvbroker.flows.transfers import Grant, TransferStatus
+from kvbroker.ops.metrics import Metrics
+from kvbroker.peers.idle import IdlePeers
+from kvbroker.peers.link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
+from kvbroker.peers.notifier import Notifier
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 

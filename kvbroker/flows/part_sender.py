@@ -35,21 +35,21 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code, invalid, precondition
-from kvbroker.memory import check_segments
-from kvbroker.model import Component, TransferRole, TransferState
-from kvbroker.offers import Offer, OfferBook
-from kvbroker.parts import PartPages, PartPlan, plan_part
-from kvbroker.peer_link import GrantOffer, PartNotice, PeerLink, PeerSession
-from kvbroker.registry import Engine, Registry
-from kvbroker.transfers import TransferRecord, TransferStatus, TransferTable
-from kvbroker.trust import PeerIdentity
-from kvbroker.validation import check_aux, check_identifier, check_part_pages, registered_pages
+from kvbroker.core import topology
+from kvbroker.core.errors import BrokerError, Code, invalid, precondition
+from kvbroker.core.model import Component, TransferRole, TransferState
+from kvbroker.core.parts import PartPages, PartPlan, plan_part
+from kvbroker.core.validation import check_aux, check_identifier, check_part_pages, registered_pages
+from kvbroker.edge.trust import PeerIdentity
+from kvbroker.flows.offers import Offer, OfferBook
+from kvbroker.flows.registry import Engine, Registry
+from kvbroker.flows.transfers import TransferRecord, TransferStatus, TransferTable
+from kvbroker.memory.mapping import check_segments
+from kvbroker.peers.link import GrantOffer, PartNotice, PeerLink, PeerSession
 
 if TYPE_CHECKING:
-    from kvbroker.broker import Limits
+    from kvbroker.flows.broker import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 

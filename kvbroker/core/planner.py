@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker import topology
-from kvbroker.model import BufferLayout, Component, Descriptors, EngineLayout, MemoryKind
-from kvbroker.validation import check_page_ids, registered_pages
+from kvbroker.core import topology
+from kvbroker.core.model import BufferLayout, Component, Descriptors, EngineLayout, MemoryKind
+from kvbroker.core.validation import check_page_ids, registered_pages
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvbroker.errors import code_name
-from kvbroker.model import Component, TransferState
-from kvbroker.registry import Engine
-from kvbroker.transfers import TransferRecord
+from kvbroker.core.errors import code_name
+from kvbroker.core.model import Component, TransferState
+from kvbroker.flows.registry import Engine
+from kvbroker.flows.transfers import TransferRecord
 
 # From one small page on loopback (well under a millisecond) to the default transfer timeout.
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -28,15 +28,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.memory import check_segments
-from kvbroker.model import Component, TransferRole, TransferState
-from kvbroker.parts import Landing, landed_bytes
-from kvbroker.peer_link import GrantOffer, PartAck, PartNotice, PeerLink
-from kvbroker.registry import Registry
-from kvbroker.transfers import Grant, OfferedGrant, TransferRecord, TransferStatus, TransferTable
-from kvbroker.trust import PeerIdentity
-from kvbroker.validation import (
+from kvbroker.core.errors import BrokerError, Code, invalid
+from kvbroker.core.model import Component, TransferRole, TransferState
+from kvbroker.core.parts import Landing, landed_bytes
+from kvbroker.core.validation import (
     check_components,
     check_grant_pages,
     check_identifier,
@@ -44,9 +39,14 @@ from kvbroker.validation import (
     check_peer_address,
     registered_pages,
 )
+from kvbroker.edge.trust import PeerIdentity
+from kvbroker.flows.registry import Registry
+from kvbroker.flows.transfers import Grant, OfferedGrant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.memory.mapping import check_segments
+from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink
 
 if TYPE_CHECKING:
-    from kvbroker.broker import Limits
+    from kvbroker.flows.broker import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 

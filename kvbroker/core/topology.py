@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, precondition
-from kvbroker.model import Component, ComponentLayout, EngineLayout, Topology
+from kvbroker.core.errors import BrokerError, Code, precondition
+from kvbroker.core.model import Component, ComponentLayout, EngineLayout, Topology
 
 
 def reject_index_with_value(kind: Component) -> None:

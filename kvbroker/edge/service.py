@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 
-from kvbroker import __version__, convert
-from kvbroker.broker import Broker
-from kvbroker.edge import details, status_code, translate_errors
-from kvbroker.errors import BrokerError, invalid
-from kvbroker.part_sender import PartCommand
-from kvbroker.peer_clients import PeerClients
-from kvbroker.receiver import GrantCommand
-from kvbroker.sender import TransferCommand
-from kvbroker.trust import PeerGate
+from kvbroker import __version__
+from kvbroker.core.errors import BrokerError, invalid
+from kvbroker.edge import convert
+from kvbroker.edge.codes import details, status_code, translate_errors
+from kvbroker.edge.trust import PeerGate
+from kvbroker.flows.broker import Broker
+from kvbroker.flows.part_sender import PartCommand
+from kvbroker.flows.receiver import GrantCommand
+from kvbroker.flows.sender import TransferCommand
+from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 

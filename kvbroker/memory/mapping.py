@@ -17,7 +17,7 @@ raises SIGBUS, whose default action ends the broker and every engine on it. Thre
 - `MappedSegment.check_intact` (`check_segments` for an engine), before and after each write on
   both sides and when a grant is made or claimed: one fstat of the file the broker keeps open.
   A segment shrunk below what was registered is FAILED_PRECONDITION naming it, for that engine only.
-- The SIGBUS guard (kvbroker/_memguard.c), for the races the check cannot see (a shrink during a
+- The SIGBUS guard (kvbroker/memory/_memguard.c), for the races the check cannot see (a shrink during a
   write, pages punched out and not re-allocatable): every mapping is watched; a fault inside one
   maps zero pages over the whole mapping, so the engine's copy completes into memory nobody reads,
   and marks the segment `poisoned`, which `check_intact` then reports, failing that engine's
@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from kvbroker import _memguard
-from kvbroker.cuda import IPC_HANDLE_SIZE, CudaError, CudaUnavailable, OpenedAllocation, load_driver
-from kvbroker.errors import BrokerError, Code, invalid, precondition
-from kvbroker.model import CudaIpcRef
+from kvbroker.core.errors import BrokerError, Code, invalid, precondition
+from kvbroker.core.model import CudaIpcRef
+from kvbroker.memory import _memguard
+from kvbroker.memory.cuda import IPC_HANDLE_SIZE, CudaError, CudaUnavailable, OpenedAllocation, load_driver
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +246,7 @@ def plan_pool(lengths: Sequence[int], alignment: int = POOL_ALIGNMENT) -> tuple[
 
 
 class GpuDriver(Protocol):
-    """What GpuMemory needs from CUDA: kvbroker.cuda.CudaDriver, or a stand-in in tests."""
+    """What GpuMemory needs from CUDA: kvbroker.memory.cuda.CudaDriver, or a stand-in in tests."""
 
     device_count: int
 

@@ -13,9 +13,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvbroker.model import Component, EngineLayout, TransferState
-from kvbroker.parts import Landed
-from kvbroker.transfers import Grant, TransferStatus
+from kvbroker.core.model import Component, EngineLayout, TransferState
+from kvbroker.core.parts import Landed
+from kvbroker.flows.transfers import Grant, TransferStatus
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Health probe: asks a broker's grpc.health.v1 service whether it is SERVING.
 
-Callers: the container image's HEALTHCHECK (`python -m kvbroker.probe`), exec probes, operators.
+Callers: the container image's HEALTHCHECK (`python -m kvbroker.ops.probe`), exec probes, operators.
 `check` is the probe itself; `add_arguments` and `run` are the `kvbroker health` subcommand, ready to
 be wired into cli.py. By default it checks the local API at the address `serve` would bind (the
 `listen` setting, so KVBROKER_LISTEN in a container); exit 0 when SERVING, 1 otherwise, with one line

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvbroker.errors import BrokerError, Code
+from kvbroker.core.errors import BrokerError, Code
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, not_found, precondition
-from kvbroker.model import Component
-from kvbroker.parts import Coverage
+from kvbroker.core.errors import BrokerError, Code, not_found, precondition
+from kvbroker.core.model import Component
+from kvbroker.core.parts import Coverage
 
 log = logging.getLogger("kvbroker.transfer")
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from kvbroker.errors import BrokerError, invalid, not_found
-from kvbroker.registry import Registry
+from kvbroker.core.errors import BrokerError, invalid, not_found
+from kvbroker.flows.registry import Registry
 
 log = logging.getLogger("kvbroker.transfer")  # the Broker's, whose lines these were
 

@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker import topology
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.memory import check_segments
-from kvbroker.model import Component, TransferState
-from kvbroker.peer_link import PeerLink, PeerSession
-from kvbroker.planner import TransferPlan, plan_transfer
-from kvbroker.registry import Engine, Registry
-from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
-from kvbroker.validation import check_components, check_identifier, check_page_ids, registered_pages
+from kvbroker.core import topology
+from kvbroker.core.errors import BrokerError, Code, invalid
+from kvbroker.core.model import Component, TransferState
+from kvbroker.core.planner import TransferPlan, plan_transfer
+from kvbroker.core.validation import check_components, check_identifier, check_page_ids, registered_pages
+from kvbroker.flows.registry import Engine, Registry
+from kvbroker.flows.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.memory.mapping import check_segments
+from kvbroker.peers.link import PeerLink, PeerSession
 
 if TYPE_CHECKING:
-    from kvbroker.broker import Limits
+    from kvbroker.flows.broker import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 

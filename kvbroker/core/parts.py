@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbroker import topology
-from kvbroker.errors import BrokerError, Code, precondition
-from kvbroker.model import Component, EngineLayout
-from kvbroker.planner import Descriptors, build_descriptors, plan_runs
+from kvbroker.core import topology
+from kvbroker.core.errors import BrokerError, Code, precondition
+from kvbroker.core.model import Component, EngineLayout
+from kvbroker.core.planner import Descriptors, build_descriptors, plan_runs
 
 
 class Coverage:

@@ -27,20 +27,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.errors import BrokerError, Code, not_found
-from kvbroker.model import Component, EngineSpec, TransferState
-from kvbroker.offers import Offer
-from kvbroker.part_sender import PartCommand, PartSender
-from kvbroker.peer_link import GrantOffer, PartAck, PartNotice, PeerLink
-from kvbroker.receiver import GrantCommand, Receiver
-from kvbroker.registry import Engine, Registry
-from kvbroker.sender import Sender, TransferCommand
-from kvbroker.sessions import Session, Sessions
-from kvbroker.transfers import Grant, TransferRecord, TransferStatus, TransferTable
-from kvbroker.trust import PeerIdentity
+from kvbroker.core.errors import BrokerError, Code, not_found
+from kvbroker.core.model import Component, EngineSpec, TransferState
+from kvbroker.edge.trust import PeerIdentity
+from kvbroker.flows.offers import Offer
+from kvbroker.flows.part_sender import PartCommand, PartSender
+from kvbroker.flows.receiver import GrantCommand, Receiver
+from kvbroker.flows.registry import Engine, Registry
+from kvbroker.flows.sender import Sender, TransferCommand
+from kvbroker.flows.sessions import Session, Sessions
+from kvbroker.flows.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink
 
 if TYPE_CHECKING:
-    from kvbroker.metrics import Metrics
+    from kvbroker.ops.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
 

@@ -18,8 +18,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, invalid
-from kvbroker.model import (
+from kvbroker.core.errors import BrokerError, Code, invalid
+from kvbroker.core.model import (
     BrokerAllocation,
     BufferLayout,
     BufferRole,
@@ -37,10 +37,10 @@ from kvbroker.model import (
     Topology,
     TransferState,
 )
-from kvbroker.parts import Landed
-from kvbroker.peer_link import GrantOffer, PartAck, PartNotice
-from kvbroker.transfers import TransferStatus
-from kvbroker.validation import OFFER_TOKEN, check_grant_pages, check_identifier, check_peer_address
+from kvbroker.core.parts import Landed
+from kvbroker.core.validation import OFFER_TOKEN, check_grant_pages, check_identifier, check_peer_address
+from kvbroker.flows.transfers import TransferStatus
+from kvbroker.peers.link import GrantOffer, PartAck, PartNotice
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb

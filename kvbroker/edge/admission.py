@@ -31,9 +31,9 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
 from kvbroker.config import SMALL_MESSAGE_BYTES, page_list_bytes
-from kvbroker.edge import details
-from kvbroker.logs import LogThrottle
-from kvbroker.trim import MemoryTrim
+from kvbroker.edge.codes import details
+from kvbroker.ops.logs import LogThrottle
+from kvbroker.ops.trim import MemoryTrim
 
 log = logging.getLogger(__name__)
 

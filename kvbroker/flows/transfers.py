@@ -36,9 +36,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kvbroker.errors import BrokerError, Code, code_name, not_found, precondition
-from kvbroker.model import Component, TransferRole, TransferState
-from kvbroker.parts import Landing
+from kvbroker.core.errors import BrokerError, Code, code_name, not_found, precondition
+from kvbroker.core.model import Component, TransferRole, TransferState
+from kvbroker.core.parts import Landing
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -110,7 +110,7 @@ class TransferRecord:
     claimed_pages: int = 0  # the claimed flow: pages the claim handed out, the bound of what can land
     offered: OfferedGrant | None = None
     aux: bytes = b""
-    # sender side, the offered flow: the offer it writes into (kvbroker.offers.Offer)
+    # sender side, the offered flow: the offer it writes into (kvbroker.flows.offers.Offer)
     offer: object = None
     # ownership: timers and the sender's task are cancelled when the record ends
     timer: asyncio.TimerHandle | None = None

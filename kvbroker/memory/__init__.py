@@ -1,0 +1,1 @@
+"""Memory references into addresses: shared-memory segments, CUDA IPC handles, the SIGBUS guard."""

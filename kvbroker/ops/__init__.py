@@ -1,0 +1,1 @@
+"""Operations: metrics, logs, `kvbroker status`, the health probe, memory trimming after big requests."""
