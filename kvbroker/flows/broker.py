@@ -8,9 +8,10 @@ It owns the registry, the transfer table, the sessions and the backend, and hand
   offer the grant to its sender; `handshake_view`, `claim`, `complete`, `take_notices`
   (PeerService, peer_service.py);
 - sender side: `transfer` (BrokerService), the claimed flow, run by the Sender (sender.py);
-  `send_part` (BrokerService) and `receive_offer`, `revoke_offer` (PeerService), the offered
-  flow, run by the PartSender (part_sender.py). Both reach peers through the PeerLink the Broker
-  is built with;
+  `receive_offer`, `revoke_offer` (PeerService), the offered flow's offers, kept by the
+  OfferIntake (offer_intake.py), and `send_part` (BrokerService), its parts, sent by the
+  PartSender (part_sender.py). Both senders share the send step (send_step.py) and reach peers
+  through the PeerLink the Broker is built with;
 - both sides: `watch`, `cancel`.
 New sessions, engines, grants, handshakes, offers, claims and transfers are refused UNAVAILABLE
 once the drain has begun.
@@ -27,9 +28,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.core.errors import BrokerError, Code, not_found
+from kvbroker.core.errors import BrokerError, Code, engine_failed, not_found
 from kvbroker.core.model import Component, EngineSpec, TransferState
 from kvbroker.edge.trust import PeerIdentity
+from kvbroker.flows.offer_intake import OfferIntake
 from kvbroker.flows.offers import Offer
 from kvbroker.flows.part_sender import PartCommand, PartSender
 from kvbroker.flows.receiver import GrantCommand, Receiver
@@ -70,7 +72,8 @@ class Broker:
         self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
         self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
-        self.parts = PartSender(self.registry, self.table, backend, peers, limits)
+        self.offers = OfferIntake(self.registry, self.table, peers, limits)
+        self.part_sender = PartSender(self.registry, self.table, backend, peers, limits, self.offers)
         self.receiver = Receiver(self.registry, self.table, peers, limits, peer_address)
         self.accepting = True
         self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
@@ -94,7 +97,7 @@ class Broker:
         ended = self.table.live()
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.parts.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
+        await self.offers.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
         await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s * 2)
         self.stopping.set()
 
@@ -102,7 +105,8 @@ class Broker:
         self.accepting = False
         self.stopping.set()
         await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
-        await self.parts.close()
+        await self.offers.close()  # its records fail UNAVAILABLE before the parts' tasks are cancelled
+        await self.part_sender.close()
         await self.table.close(timeout=self.limits.peer_rpc_timeout_s * 2)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
@@ -166,8 +170,7 @@ class Broker:
         await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
 
     def _engine_failed(self, exc: TransferFailed) -> BrokerError:
-        """A transfer engine's failure, at any call, as the caller sees it: ABORTED, in the engine's words."""
-        return BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}")
+        return engine_failed(self.backend.name, exc)
 
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
@@ -214,11 +217,11 @@ class Broker:
 
     def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
         self._check_accepting()
-        self.parts.receive_offer(identity, offer, epoch)
+        self.offers.receive_offer(identity, offer, epoch)
 
     async def revoke_offer(self, identity: PeerIdentity, engine_id: str, request_id: str, token: str, code: int,
                            reason: str, wait_s: float) -> bool:
-        return await self.parts.revoke(identity, engine_id, request_id, token, code, reason, wait_s)
+        return await self.offers.revoke(identity, engine_id, request_id, token, code, reason, wait_s)
 
     async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
         """Run one Transfer of the claimed flow through the sender pipeline (sender.py)."""
@@ -228,7 +231,7 @@ class Broker:
     async def send_part(self, cmd: PartCommand, timeout: float | None) -> TransferStatus:
         """Run one part of the offered flow through its sender pipeline (part_sender.py)."""
         self._check_accepting()
-        return await self.parts.send_part(cmd, timeout)
+        return await self.part_sender.send_part(cmd, timeout)
 
     def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
         self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
@@ -251,7 +254,7 @@ class Broker:
             return 0
         if isinstance(record.offer, Offer):
             wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s
-            return await self.parts.abort(record, code, reason, wait)
+            return await self.offers.abort(record, code, reason, wait)
         task = record.task
         if task is not None and not task.done():
             record.code, record.reason = int(code), reason  # the sender fails the record with these

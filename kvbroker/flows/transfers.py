@@ -138,6 +138,17 @@ class TransferRecord:
         )
 
 
+def ended_error(record: TransferRecord, noun: str) -> BrokerError:
+    """Why a request that ended takes no more (a claim, a part); `noun` names it ("grant",
+    "request"). A failed one answers DEADLINE_EXCEEDED if it expired, else FAILED_PRECONDITION."""
+    what = f"{noun} {record.request_id!r}"
+    if record.state is TransferState.SUCCEEDED:
+        return precondition(f"{what} completed already; no part may follow")
+    if record.code == Code.DEADLINE_EXCEEDED:
+        return BrokerError(Code.DEADLINE_EXCEEDED, f"{what} has failed: {record.reason}")
+    return precondition(f"{what} has failed: {record.reason}")
+
+
 class TransferObserver(Protocol):
     def transfer_changed(self, record: TransferRecord) -> None:
         """After each state change of `record`: accepted (PENDING), TRANSFERRING, SUCCEEDED or FAILED."""
@@ -352,8 +363,7 @@ class TransferTable:
         if record.role is not TransferRole.RECEIVER:
             raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
         if record.state is TransferState.FAILED:
-            code = Code.DEADLINE_EXCEEDED if record.code == Code.DEADLINE_EXCEEDED else Code.FAILED_PRECONDITION
-            raise BrokerError(code, f"grant {request_id!r} has failed: {record.reason}")
+            raise ended_error(record, "grant")
         if record.offered is not None:
             raise BrokerError(Code.PERMISSION_DENIED,
                               f"grant {request_id!r} was offered to the broker at {record.offered.sender_address}; "

@@ -143,8 +143,8 @@ class GrantModel:
             if off > length or (off == length and ids):
                 return Verdict(PD, "plan", "part-in-grant")
             rest = length - off
-            if kind == DENSE and len(ids) != rest:
-                return Verdict(FP, "plan", "dense-kv-length")
+            if kind == DENSE and (not part.last or off or len(ids) != length):
+                return Verdict(FP, "plan", "dense-kv-length: whole, on the last part only")
             count = min(len(ids), rest)
             if self.covered[kind][off:off + count].any():
                 return Verdict(FP, "plan", "over an earlier part")

@@ -172,6 +172,10 @@ async def test_refused_parts_write_nothing_and_leave_the_grant_to_complete(broke
     assert overlap.code() == grpc.StatusCode.FAILED_PRECONDITION and "earlier part" in overlap.details()
     not_granted = await refusal(part(src, request_id, {INDEX: src_all[:2]}, last=False))
     assert not_granted.code() == grpc.StatusCode.PERMISSION_DENIED
+    early_dense = await refusal(part(src, request_id, {MAIN: src_all[4:6], DENSE: src_all}, offsets={MAIN: 4},
+                                     last=False))
+    assert early_dense.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rule dense-kv-length" in early_dense.details() and "more_parts" in early_dense.details()
     short_dense = await refusal(part(src, request_id, {MAIN: src_all[4:], DENSE: src_all[:7]}, offsets={MAIN: 4}))
     assert short_dense.code() == grpc.StatusCode.FAILED_PRECONDITION and "rule dense-kv-length" in short_dense.details()
     big_aux = await refusal(part(src, request_id, {MAIN: src_all[4:], DENSE: src_all}, offsets={MAIN: 4},
