@@ -1,5 +1,5 @@
 """The PeerService servicer: the receiving side of broker to broker. Proto in, Broker call, proto
-out; domain errors become status codes (edge.py). The sending side is peer_clients.py.
+out; domain errors become status codes (edge/codes.py). The sending side is peers/clients.py.
 
 Every call first establishes who the caller is (trust.PeerGate: under mutual TLS its broker_id
 must be a name of its certificate) and whether `peer_allow` admits it. A caller that is not

@@ -22,15 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code, engine_failed, not_found
+from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.model import Component, EngineSpec, TransferState
-from kvbroker.edge.trust import PeerIdentity
+from kvbroker.flows.limits import Limits
 from kvbroker.flows.offer_intake import OfferIntake
 from kvbroker.flows.offers import Offer
 from kvbroker.flows.part_sender import PartCommand, PartSender
@@ -45,20 +45,6 @@ if TYPE_CHECKING:
     from kvbroker.ops.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_pages_per_request: int
-    default_grant_expiry_s: float
-    max_grant_expiry_s: float
-    transfer_timeout_s: float
-    peer_rpc_timeout_s: float
-    offer_wait_s: float = 10.0
-    max_offers: int = 65536
-    max_aux_bytes: int = 65536
-    max_parts_per_request: int = 4096
-    max_engines: int = 1024
 
 
 class Broker:
@@ -98,16 +84,16 @@ class Broker:
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
         await self.offers.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self.receiver.revoked(ended, timeout=self.limits.peer_settle_s)
         self.stopping.set()
 
     async def close(self) -> None:
         self.accepting = False
         self.stopping.set()
-        await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self._sessions.close(timeout=self.limits.peer_settle_s)
         await self.offers.close()  # its records fail UNAVAILABLE before the parts' tasks are cancelled
         await self.part_sender.close()
-        await self.table.close(timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self.table.close(timeout=self.limits.peer_settle_s)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
             try:
@@ -243,7 +229,7 @@ class Broker:
         its task has ended (a claimed one)."""
         record = self.table.get(engine_id, request_id)
         await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
-        await self.receiver.revoked([record], timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self.receiver.revoked([record], timeout=self.limits.peer_settle_s)
         return record.snapshot()
 
     async def _fence(self, record: TransferRecord) -> str:
@@ -259,7 +245,7 @@ class Broker:
         if task is not None and not task.done():
             record.code, record.reason = int(code), reason  # the sender fails the record with these
             task.cancel()
-            await asyncio.wait([task], timeout=self.limits.peer_rpc_timeout_s * 2)
+            await asyncio.wait([task], timeout=self.limits.peer_settle_s)
             return 1
         return int(self.table.fail(record, code, reason))
 

@@ -22,15 +22,15 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from kvbroker.core.errors import BrokerError, Code, clip, invalid, peer_code, precondition, same_token
+from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.validation import registered_pages
-from kvbroker.edge.trust import PeerIdentity
 from kvbroker.flows.offers import Offer, OfferBook
 from kvbroker.flows.registry import Registry
 from kvbroker.flows.transfers import TransferRecord, TransferTable
 from kvbroker.peers.link import GrantOffer, PartNotice, PeerLink, PeerSession
 
 if TYPE_CHECKING:
-    from kvbroker.flows.broker import Limits
+    from kvbroker.flows.limits import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -181,4 +181,4 @@ class OfferIntake:
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_rpc_timeout_s * 2)
+            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_settle_s)

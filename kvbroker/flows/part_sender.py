@@ -46,7 +46,7 @@ from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import PartNotice, PeerLink, PeerSession
 
 if TYPE_CHECKING:
-    from kvbroker.flows.broker import Limits
+    from kvbroker.flows.limits import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -238,4 +238,4 @@ class PartSender:
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_rpc_timeout_s * 2)
+            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_settle_s)

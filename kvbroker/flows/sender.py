@@ -41,7 +41,7 @@ from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import PeerLink, PeerSession
 
 if TYPE_CHECKING:
-    from kvbroker.flows.broker import Limits
+    from kvbroker.flows.limits import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 

@@ -264,21 +264,9 @@ class TransferTable:
             record.offered.landing = None
         record.done.set()
         self._publish(record)
-        self._log_end(record)
+        _log_end(record)
         self._ended[record.key] = None
         self._trim()
-
-    @staticmethod
-    def _log_end(record: TransferRecord) -> None:
-        s = record.snapshot()
-        log.info(
-            "transfer %s", s.state.name.lower(),
-            extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
-                   "peer": record.peer, "components": [c.name for c in s.components], "pages": s.pages,
-                   "runs": s.runs, "bytes": s.bytes, "truncated_pages": s.truncated_pages,
-                   "duration_us": s.duration_us, "outcome": s.state.name,
-                   "code": code_name(s.code) if s.code else "", "reason": s.reason},
-        )
 
     def succeed(self, record: TransferRecord, *, pages: int | None = None, runs: int | None = None,
                 nbytes: int | None = None, truncated: int | None = None) -> bool:
@@ -353,48 +341,14 @@ class TransferTable:
             if record is not None and record.state.terminal:
                 del self._records[key]
 
-    def claim(self, engine_id: str, request_id: str, components: tuple[Component, ...],
-              dst_page_ids: np.ndarray, claimant: str) -> Grant:
-        """Hand a grant to one sender, once. Raises without changing the grant when refused."""
-        try:
-            record = self.get(engine_id, request_id)
-        except BrokerError:
-            raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
-        if record.role is not TransferRole.RECEIVER:
-            raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
-        if record.state is TransferState.FAILED:
-            raise ended_error(record, "grant")
-        if record.offered is not None:
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"grant {request_id!r} was offered to the broker at {record.offered.sender_address}; "
-                              "only that broker's parts may write it")
-        if record.state is not TransferState.PENDING:
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"grant {request_id!r} was already claimed (state {record.state.name})")
-        outside = [c.name for c in components if c not in record.components]
-        if outside:
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"components: {', '.join(outside)} not in the grant for request {request_id!r}")
-        components = components or record.components
-        lists = {id(record.granted[c]) for c in components}
-        if len(lists) != 1:
-            raise precondition(f"grant {request_id!r} has a page list per component; the claimed flow moves one "
-                               "list, so only an offered grant (sender_address) can have several")
-        granted = record.granted[components[0]]
-        if dst_page_ids.size:
-            inside = np.isin(dst_page_ids, granted)
-            if not inside.all():
-                bad = int(np.flatnonzero(~inside)[0])
-                raise BrokerError(
-                    Code.PERMISSION_DENIED,
-                    f"dst_page_ids[{bad}]: page {int(dst_page_ids[bad])} is outside the grant for request "
-                    f"{request_id!r}",
-                )
-            granted = dst_page_ids
+    def hand_out(self, record: TransferRecord, granted: np.ndarray, claimant: str) -> Grant:
+        """A claimed grant goes to its claimant (the Receiver checked the claim): TRANSFERRING, with
+        a fresh claim token; `granted` bounds what can land."""
         record.claim_token = secrets.token_hex(16)
         record.claimed_pages = int(granted.size)
         record.peer = claimant
         self.start(record)
+        assert record.expires_at is not None  # a grant's
         return Grant(granted, record.claim_token, max(0.0, record.expires_at - self._clock()))
 
     async def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
@@ -413,3 +367,15 @@ class TransferTable:
                     yield status
         finally:
             record.watchers.discard(queue)
+
+
+def _log_end(record: TransferRecord) -> None:
+    s = record.snapshot()
+    log.info(
+        "transfer %s", s.state.name.lower(),
+        extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
+               "peer": record.peer, "components": [c.name for c in s.components], "pages": s.pages,
+               "runs": s.runs, "bytes": s.bytes, "truncated_pages": s.truncated_pages,
+               "duration_us": s.duration_us, "outcome": s.state.name,
+               "code": code_name(s.code) if s.code else "", "reason": s.reason},
+    )
