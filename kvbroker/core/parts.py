@@ -209,4 +209,4 @@ class Landing:
 def landed_bytes(layout: EngineLayout, landed: Iterable[Landed]) -> int:
     """Bytes the landed entries cover in `layout`'s engine: entries times the item_len of every
     layer buffer of their component."""
-    return sum(x.pages * sum(b.item_len for b in layout.components[x.kind].buffers) for x in landed)
+    return sum(x.pages * layout.components[x.kind].page_bytes for x in landed)

@@ -24,6 +24,9 @@ from kvbroker.core.model import (
     Layout,
     SharedMemoryRef,
 )
+from kvbroker.flows.part_sender import PartCommand
+from kvbroker.flows.receiver import GrantCommand
+from kvbroker.flows.sender import TransferCommand
 from kvbroker.flows.transfers import TransferStatus
 from kvbroker.peers.wire import (  # noqa: F401  re-exported for the servicers
     engine_layout_in,
@@ -115,6 +118,44 @@ def status_out(s: TransferStatus) -> bpb.TransferStatus:
         reason=s.reason, pages=s.pages, runs=s.runs, bytes=s.bytes, truncated_pages=s.truncated_pages,
         duration_us=s.duration_us, components=[int(c) for c in s.components], parts=s.parts, aux=s.aux,
     )
+
+
+def grant_command_in(request: bpb.ExpectTransferRequest) -> GrantCommand:
+    """An ExpectTransfer as the domain's command: a page list per component (`pages`), or one list
+    shared by `components` (the claimed flow's form)."""
+    if request.pages and (request.components or request.dst_page_ids):
+        raise invalid("pages: give either pages, or components with dst_page_ids, not both")
+    if request.pages:
+        pages, shared = grant_pages_in(request.pages), False
+    else:
+        ids = page_ids_in(request.dst_page_ids)
+        pages, shared = [(kind, ids) for kind in components_in(request.components)], True
+    return GrantCommand(request.request_id, request.engine_id, tuple(pages), request.expiry_ms,
+                        request.sender_address, request.sender_engine_id, shared)
+
+
+def transfer_command_in(request: bpb.TransferRequest) -> TransferCommand | PartCommand:
+    """A Transfer as the domain's command: the claimed flow's when it names the receiver
+    (peer_address), else one part of the offered flow."""
+    if request.peer_address or request.remote_engine_id:
+        if request.pages or request.more_parts or request.aux:
+            raise invalid("pages: the claimed flow (peer_address set) takes components and src_page_ids; "
+                          "pages, more_parts and aux belong to the offered flow (peer_address empty)")
+        return TransferCommand(
+            request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
+            components_in(request.components), page_ids_in(request.src_page_ids),
+            page_ids_in(request.dst_page_ids),
+        )
+    if request.dst_page_ids:
+        raise invalid("dst_page_ids: the offered flow places pages by PartPages.dst_offset")
+    if request.pages and (request.components or request.src_page_ids):
+        raise invalid("pages: give either pages, or components with src_page_ids, not both")
+    if request.pages:
+        pages = part_pages_in(request.pages)
+    else:
+        ids = page_ids_in(request.src_page_ids)
+        pages = [(kind, ids, 0) for kind in components_in(request.components)]
+    return PartCommand(request.request_id, request.engine_id, tuple(pages), not request.more_parts, request.aux)
 
 
 def part_pages_in(values, field_name: str = "pages") -> list[tuple[Component, np.ndarray, int]]:

@@ -5,14 +5,16 @@ It owns the registry, the transfer table, the sessions and the backend, and hand
 - engines (BrokerService): `register_engine`, `unregister_engine`; sessions (sessions.py):
   `open_session`, `end_session`, `sessions`;
 - receiver side, run by the Receiver (receiver.py): `expect_transfer` (BrokerService), which may
-  offer the grant to its sender; `handshake_view`, `claim`, `complete`, `take_notices`
-  (PeerService, peer_service.py);
-- sender side: `transfer` (BrokerService), the claimed flow, run by the Sender (sender.py);
-  `receive_offer`, `revoke_offer` (PeerService), the offered flow's offers, kept by the
-  OfferIntake (offer_intake.py), and `send_part` (BrokerService), its parts, sent by the
-  PartSender (part_sender.py). Both senders share the send step (send_step.py) and reach peers
-  through the PeerLink the Broker is built with;
-- both sides: `watch`, `cancel`.
+  offer the grant to its sender; `handshake` (with the transfer engine's metadata), `claim`,
+  `complete`, `take_notices` (PeerService, peer_service.py);
+- sender side: `transfer` (BrokerService): the claimed flow's command runs the Sender (sender.py),
+  the offered flow's one part the PartSender (part_sender.py); `receive_offer`, `revoke_offer`
+  (PeerService), the offered flow's offers, kept by the OfferIntake (offer_intake.py). Both senders
+  share the send step (send_step.py) and reach peers through the PeerLink the Broker is built with;
+- both sides: `watch`, `cancel`; `info` (GetBrokerInfo).
+Each servicer method makes one call here. Where a request carries page lists, the call takes the
+conversion as a callable (`command`) and looks the engine up (NOT_FOUND) before it runs it, so that
+no page array is built for an engine this broker does not have.
 New sessions, engines, grants, handshakes, offers, claims and transfers are refused UNAVAILABLE
 once the drain has begun.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,7 +32,7 @@ import numpy as np
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code, engine_failed, not_found
 from kvbroker.core.identity import PeerIdentity
-from kvbroker.core.model import Component, EngineSpec, TransferState
+from kvbroker.core.model import Component, EngineLayout, EngineSpec, TransferState
 from kvbroker.flows.limits import Limits
 from kvbroker.flows.offer_intake import OfferIntake
 from kvbroker.flows.offers import Offer
@@ -45,6 +48,31 @@ if TYPE_CHECKING:
     from kvbroker.ops.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
+
+
+REVOKE_ANSWER_MARGIN_S = 0.5  # what RevokeOffer keeps of its deadline for the answer itself
+
+
+@dataclass(frozen=True)
+class BrokerInfo:
+    broker_id: str
+    epoch: int
+    backend: str
+    engines: list[Engine]
+    request_counts: dict[str, int]
+    sessions: list[Session]
+
+
+@dataclass(frozen=True)
+class HandshakeView:
+    """A Handshake's answer, as the domain gives it."""
+
+    broker_id: str
+    epoch: int
+    generation: int
+    backend: str
+    metadata: bytes
+    layout: EngineLayout
 
 
 class Broker:
@@ -113,7 +141,7 @@ class Broker:
                 try:
                     engine.backend_handle = await self.backend.register(engine.regions)
                 except TransferFailed as exc:
-                    raise self._engine_failed(exc) from exc
+                    raise engine_failed(self.backend.name, exc) from exc
                 session = self._sessions.get(session_id)  # it may have ended while the memory was mapped
                 engine.session_id = session_id
                 self.registry.add(engine)
@@ -152,11 +180,8 @@ class Broker:
             try:
                 await self.backend.deregister(handle)
             except TransferFailed as exc:  # the memory stays mapped: the engine may still reach it
-                raise self._engine_failed(exc) from exc
+                raise engine_failed(self.backend.name, exc) from exc
         await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
-
-    def _engine_failed(self, exc: TransferFailed) -> BrokerError:
-        return engine_failed(self.backend.name, exc)
 
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
@@ -170,26 +195,40 @@ class Broker:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
-    async def expect_transfer(self, cmd: GrantCommand) -> TransferStatus:
-        """A grant; with a sender address, offered to that broker before this returns."""
+    def info(self) -> BrokerInfo:
+        return BrokerInfo(self.broker_id, self.epoch, self.backend.name, list(self.registry),
+                          dict(self.table.counts), self.sessions())
+
+    async def expect_transfer(self, engine_id: str, command: Callable[[], GrantCommand]) -> TransferStatus:
+        """A grant (offered to its sender first, if named); NOT_FOUND before `command` converts pages."""
+        self.registry.get(engine_id)
+        cmd = command()
         self._check_accepting()
         return await self.receiver.expect(cmd)
 
-    def handshake_view(self, engine_id: str) -> Engine:
+    async def handshake(self, backend: str, engine_id: str) -> HandshakeView:
+        """A peer's Handshake: the engine's layout and generation, the engine's metadata (ABORTED)."""
+        if backend != self.backend.name:
+            raise BrokerError(Code.FAILED_PRECONDITION,
+                              f"backend: caller uses {backend!r}, this broker uses {self.backend.name!r}")
         self._check_accepting()
-        return self.registry.get(engine_id)
+        engine = self.registry.get(engine_id)
+        try:
+            metadata = await self.backend.metadata()
+        except TransferFailed as exc:
+            raise engine_failed(self.backend.name, exc) from exc
+        return HandshakeView(self.broker_id, self.epoch, engine.generation, self.backend.name, metadata,
+                             engine.layout)
 
-    def check_claimable(self, engine_id: str, request_id: str) -> None:
-        """NOT_FOUND, as `claim` answers it, for an engine or a request this broker does not have:
-        the peer servicer asks before it converts a claim's page ids."""
+    def claim(self, identity: PeerIdentity, engine_id: str, request_id: str,
+              command: Callable[[], tuple[Sequence[Component], np.ndarray]]) -> tuple[Grant, int]:
+        """A claim; NOT_FOUND for an engine or a request not here, before `command` converts its pages."""
         self.registry.get(engine_id)
         try:
             self.table.get(engine_id, request_id)
         except BrokerError:
             raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
-
-    def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: Sequence[Component],
-              dst_page_ids: np.ndarray) -> tuple[Grant, int]:
+        components, dst_page_ids = command()
         self._check_accepting()
         return self.receiver.claim(identity, engine_id, request_id, tuple(components), dst_page_ids)
 
@@ -201,22 +240,30 @@ class Broker:
     def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
         return self.receiver.take_notices(identity, notices)
 
-    def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
+    def receive_offer(self, identity: PeerIdentity, sender_engine_id: str, command: Callable[[int], GrantOffer],
+                      epoch: int) -> None:
+        """An offer; the engine it names looked up (NOT_FOUND) before `command` converts its pages."""
+        if sender_engine_id:
+            self.registry.get(sender_engine_id)
+        offer = command(self.limits.max_pages_per_request)
         self._check_accepting()
         self.offers.receive_offer(identity, offer, epoch)
 
     async def revoke_offer(self, identity: PeerIdentity, engine_id: str, request_id: str, token: str, code: int,
-                           reason: str, wait_s: float) -> bool:
-        return await self.offers.revoke(identity, engine_id, request_id, token, code, reason, wait_s)
+                           reason: str, time_left: float | None) -> bool:
+        """The receiver withdraws its offer; the answer waits, bounded, until no write into it runs."""
+        wait = self.limits.peer_rpc_timeout_s if time_left is None else max(0.0, time_left - REVOKE_ANSWER_MARGIN_S)
+        return await self.offers.revoke(identity, engine_id, request_id, token, code, reason, wait)
 
-    async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
-        """Run one Transfer of the claimed flow through the sender pipeline (sender.py)."""
+    async def transfer(self, engine_id: str, command: Callable[[], TransferCommand | PartCommand],
+                       timeout: float | None) -> TransferStatus:
+        """One Transfer, the engine looked up (NOT_FOUND) before `command` converts its pages: the
+        claimed flow's Sender for a TransferCommand, else the PartSender."""
+        self.registry.get(engine_id)
+        cmd = command()
         self._check_accepting()
-        return await self.sender.transfer(cmd, timeout)
-
-    async def send_part(self, cmd: PartCommand, timeout: float | None) -> TransferStatus:
-        """Run one part of the offered flow through its sender pipeline (part_sender.py)."""
-        self._check_accepting()
+        if isinstance(cmd, TransferCommand):
+            return await self.sender.transfer(cmd, timeout)
         return await self.part_sender.send_part(cmd, timeout)
 
     def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
@@ -241,10 +288,8 @@ class Broker:
         if isinstance(record.offer, Offer):
             wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s
             return await self.offers.abort(record, code, reason, wait)
-        task = record.task
-        if task is not None and not task.done():
-            record.code, record.reason = int(code), reason  # the sender fails the record with these
-            task.cancel()
+        task = record.interrupt(code, reason)  # the sender fails the record with this cause
+        if task is not None:
             await asyncio.wait([task], timeout=self.limits.peer_settle_s)
             return 1
         return int(self.table.fail(record, code, reason))

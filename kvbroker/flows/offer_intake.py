@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvbroker.core.errors import BrokerError, Code, clip, invalid, peer_code, precondition, same_token
 from kvbroker.core.identity import PeerIdentity
+from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import registered_pages
 from kvbroker.flows.offers import Offer, OfferBook
 from kvbroker.flows.registry import Registry
@@ -42,12 +42,7 @@ class OfferIntake:
         self._peers = peers
         self._limits = limits
         self.book = OfferBook(limits.max_offers, on_expired=self._expired)
-        self._tasks: set[asyncio.Task] = set()
-
-    def _own(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks = OwnedTasks()
 
     def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
         """Keep an offer; refused (and nothing kept) when it cannot be written here."""
@@ -70,7 +65,7 @@ class OfferIntake:
             except BrokerError:
                 self.book.end(held, precondition("offer refused"))
                 raise
-        self._own(self._prefetch(held), f"handshake ahead {offer.request_id}")
+        self._tasks.spawn(self._prefetch(held), f"handshake ahead {offer.request_id}")
 
     def attach(self, offer: Offer, engine_id: str) -> TransferRecord:
         """The sender's record of `offer` on engine `engine_id`, fed by its parts."""
@@ -178,7 +173,4 @@ class OfferIntake:
         for offer in self.book.close():
             if offer.record is not None:
                 self._table.fail(offer.record, Code.UNAVAILABLE, "broker shut down before the request completed")
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_settle_s)
+        await self._tasks.cancel(self._limits.peer_settle_s)

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +35,7 @@ from kvbroker.core import topology
 from kvbroker.core.errors import BrokerError, Code, invalid, peer_code, precondition
 from kvbroker.core.model import Component, TransferRole, TransferState
 from kvbroker.core.parts import PartPages, PartPlan, check_grant_inside, plan_part
+from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import check_aux, check_identifier, check_part_pages
 from kvbroker.flows.offer_intake import OfferIntake
 from kvbroker.flows.offers import Offer
@@ -95,13 +95,7 @@ class PartSender:
         self._peers = peers
         self._limits = limits
         self._intake = intake
-        self._tasks: set[asyncio.Task] = set()
-
-    def _own(self, coro: Coroutine[Any, Any, TransferStatus], name: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        self._tasks = OwnedTasks()
 
     async def send_part(self, cmd: PartCommand, timeout: float | None) -> TransferStatus:
         """Check the part against the local engine, then run it as a task this object owns (a part
@@ -114,7 +108,7 @@ class PartSender:
         if not cmd.pages and not cmd.last:
             raise invalid("pages: a part with more_parts needs pages; only the last part may carry none")
         job = _Part(cmd.engine_id, engine, *SendJob.budget_for(timeout, self._limits.transfer_timeout_s), cmd)
-        task = self._own(self._part(job), f"part {cmd.engine_id}/{cmd.request_id}")
+        task = self._tasks.spawn(self._part(job), f"part {cmd.engine_id}/{cmd.request_id}")
         return await asyncio.shield(task)
 
     async def _part(self, job: _Part) -> TransferStatus:
@@ -235,7 +229,4 @@ class PartSender:
         await self._intake.fail(job.offer, job.record, error.code, error.message, self._limits.peer_rpc_timeout_s)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self._limits.peer_settle_s)
+        await self._tasks.cancel(self._limits.peer_settle_s)

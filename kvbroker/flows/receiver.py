@@ -32,6 +32,7 @@ from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.model import Component, TransferRole, TransferState
 from kvbroker.core.parts import Landing, landed_bytes
 from kvbroker.core.validation import (
+    check_aux,
     check_components,
     check_grant_pages,
     check_identifier,
@@ -161,8 +162,8 @@ class Receiver:
             if engine is not None:
                 self._segments_hold(record, engine)
             landed = min(max(pages, 0), record.claimed_pages)
-            per_page = 0 if engine is None else sum(
-                b.item_len for k in record.components for b in engine.layout.components[k].buffers)
+            per_page = 0 if engine is None else sum(engine.layout.components[k].page_bytes
+                                                    for k in record.components)
             self._table.succeed(record, pages=landed, runs=min(max(runs, 0), landed), nbytes=landed * per_page,
                                 truncated=min(max(truncated, 0), self._limits.max_pages_per_request))
         else:
@@ -191,11 +192,7 @@ class Receiver:
             self._table.fail(record, peer_code(n.code), f"sender {identity.name!r} failed: {clip(n.reason)}")
             return PartAck(record.state, 0, record.reason)
         try:
-            if n.aux and not n.parts_total:
-                raise invalid("aux: only the last part carries the aux payload")
-            if len(n.aux) > self._limits.max_aux_bytes:
-                raise BrokerError(Code.RESOURCE_EXHAUSTED, f"aux: {len(n.aux)} bytes exceed the limit of "
-                                                           f"{self._limits.max_aux_bytes} (max_aux_bytes)")
+            check_aux(n.aux, last=bool(n.parts_total), max_aux_bytes=self._limits.max_aux_bytes)
             engine = self._registry.get(n.engine_id)
             offered.landing.check(n.part, n.parts_total, n.landed)
         except BrokerError as exc:
@@ -208,12 +205,11 @@ class Receiver:
         except BrokerError as exc:
             return PartAck(record.state, int(exc.code), exc.message)
         offered.landing.land(n.part, n.parts_total, n.landed)
-        if n.parts_total:
-            record.aux = bytes(n.aux)
         complete = offered.landing.complete
         self._table.progress(record, landed=_by_component(n.landed), runs=0,
                              nbytes=landed_bytes(engine.layout, n.landed),
-                             truncated=min(n.truncated, self._limits.max_pages_per_request), last=complete)
+                             truncated=min(n.truncated, self._limits.max_pages_per_request), last=complete,
+                             aux=bytes(n.aux) if n.parts_total else None)
         if complete:
             self._table.succeed(record)
         return PartAck(record.state)

@@ -94,8 +94,8 @@ class Sender:
         record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
         job = _Send(cmd.engine_id, engine, *SendJob.budget_for(timeout, self._limits.transfer_timeout_s),
                     record, cmd)
-        record.task = asyncio.create_task(self._send(job), name=f"transfer {cmd.engine_id}/{cmd.request_id}")
-        await asyncio.shield(record.task)
+        task = record.run(self._send(job), f"transfer {cmd.engine_id}/{cmd.request_id}")
+        await asyncio.shield(task)
         status = record.snapshot()
         if status.state is TransferState.FAILED:
             raise BrokerError(Code(status.code), status.reason)
@@ -118,7 +118,6 @@ class Sender:
             error = failure(exc, job, "transfer", cmd.request_id, cancelled)
             self._table.fail(record, error.code, error.message)
         finally:
-            record.task = None
             if record.state is TransferState.FAILED and job.reached_peer:
                 await self._tell_peer_failed(job)
 
@@ -178,8 +177,8 @@ class Sender:
     async def _notify(self, job: _Send, plan: TransferPlan) -> None:
         """Tell the receiver what was written; the request succeeds once it agrees."""
         record, cmd, runs = job.record, job.cmd, plan.runs
-        record.pages, record.runs, record.bytes, record.truncated_pages = (
-            runs.pages, runs.count, plan.descriptors.nbytes, plan.truncated)
+        self._table.written(record, pages=runs.pages, runs=runs.count, nbytes=plan.descriptors.nbytes,
+                            truncated=plan.truncated)
         state = await self._peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, job.token,
                                            record.snapshot(), timeout=self._rpc_timeout(job))
         if state is not TransferState.SUCCEEDED:

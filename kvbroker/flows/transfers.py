@@ -26,19 +26,21 @@ grant lands any more.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvbroker.core.errors import BrokerError, Code, code_name, not_found, precondition
 from kvbroker.core.model import Component, TransferRole, TransferState
 from kvbroker.core.parts import Landing
+from kvbroker.core.tasks import OwnedTasks
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -58,7 +60,7 @@ class TransferStatus:
     truncated_pages: int = 0
     duration_us: int = 0
     parts: int = 0
-    aux: bytes = b""  # the receiver's, with SUCCEEDED only
+    aux: builtins.bytes = b""  # the receiver's, with SUCCEEDED only (builtins: a field is named bytes)
 
 
 @dataclass(eq=False)
@@ -109,7 +111,7 @@ class TransferRecord:
     claim_token: str = ""
     claimed_pages: int = 0  # the claimed flow: pages the claim handed out, the bound of what can land
     offered: OfferedGrant | None = None
-    aux: bytes = b""
+    aux: builtins.bytes = b""
     # sender side, the offered flow: the offer it writes into (kvbroker.flows.offers.Offer)
     offer: object = None
     # ownership: timers and the sender's task are cancelled when the record ends
@@ -127,6 +129,27 @@ class TransferRecord:
     def settled(self) -> bool:
         """Its outcome is decided: it ended, or it is ending (an offered grant waiting for its fence)."""
         return self.state.terminal or self.ending is not None
+
+    def run(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
+        """The sender's task of this record (the claimed flow): the record owns it until it ends."""
+        task = self.task = asyncio.get_running_loop().create_task(coro, name=name)
+
+        def ended(_: asyncio.Task) -> None:
+            if self.task is task:
+                self.task = None
+
+        task.add_done_callback(ended)
+        return task
+
+    def interrupt(self, code: Code, reason: str) -> asyncio.Task | None:
+        """Cancel this live record's task, which then fails the record (through the table) with
+        this cause; the task, or None when none runs."""
+        task = self.task
+        if task is None or task.done() or self.settled:
+            return None
+        self.code, self.reason = int(code), reason
+        task.cancel()
+        return task
 
     def snapshot(self) -> TransferStatus:
         end = self.finished if self.finished is not None else time.monotonic()
@@ -162,7 +185,7 @@ class TransferTable:
                  fence: Callable[[TransferRecord], Awaitable[str]] | None = None) -> None:
         self._observer = observer
         self._fence = fence  # an offered grant's revocation at its sender: "" once confirmed, else why not
-        self._ending: set[asyncio.Task] = set()
+        self._ending = OwnedTasks()
         self._records: dict[tuple[str, str], TransferRecord] = {}
         self._ended: dict[tuple[str, str], None] = {}  # insertion-ordered, oldest first
         self._retention_s = retention_s
@@ -224,6 +247,11 @@ class TransferTable:
         if state_changed and self._observer is not None:
             self._observer.transfer_changed(record)
 
+    def written(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int) -> None:
+        """What the claimed flow's write moved, before the receiver confirms it (its notice carries them)."""
+        if not record.settled:
+            record.pages, record.runs, record.bytes, record.truncated_pages = pages, runs, nbytes, truncated
+
     def start(self, record: TransferRecord) -> None:
         if record.state is TransferState.PENDING and record.ending is None:
             record.state = TransferState.TRANSFERRING
@@ -232,12 +260,14 @@ class TransferTable:
             self._publish(record)
 
     def progress(self, record: TransferRecord, *, landed: dict[Component, int], runs: int, nbytes: int,
-                 truncated: int, last: bool = False) -> None:
+                 truncated: int, last: bool = False, aux: builtins.bytes | None = None) -> None:
         """A part of a live request landed (`landed`: its pages per component): its counts join the
         record's, and watchers see them (unless it is the `last`, which the caller ends the record
-        with at once)."""
+        with at once). `aux`: the last part's, kept for the SUCCEEDED status."""
         if record.settled:
             return
+        if aux is not None:
+            record.aux = aux
         record.parts += 1
         for kind, pages in landed.items():
             record.component_pages[kind] = record.component_pages.get(kind, 0) + pages
@@ -297,10 +327,10 @@ class TransferTable:
         record.ending = asyncio.get_running_loop().create_task(self._fence_then_end(record),
                                                                name=f"fence {record.request_id}")
         self._ending.add(record.ending)
-        record.ending.add_done_callback(self._ending.discard)
         return True
 
     async def _fence_then_end(self, record: TransferRecord) -> None:
+        assert self._fence is not None  # fail() starts this only with a fence
         try:
             note = await self._fence(record)
             if note:
@@ -316,14 +346,11 @@ class TransferTable:
 
     async def close(self, timeout: float) -> None:
         """Let the fences under way finish (bounded), then cancel the rest: every record ends."""
-        if self._ending:
-            await asyncio.wait(list(self._ending), timeout=timeout)
-        for task in list(self._ending):
-            task.cancel()
-        if self._ending:  # a cancelled fence ends its record at once
-            await asyncio.wait(list(self._ending), timeout=1.0)
+        await self._ending.wait(timeout)
+        await self._ending.cancel(1.0)  # a cancelled fence ends its record at once
 
     def _expire(self, record: TransferRecord) -> None:
+        assert record.expires_at is not None  # a grant's timer
         record.timer = None
         self.fail(record, Code.DEADLINE_EXCEEDED,
                   f"grant expired: no transfer completed within its expiry of "

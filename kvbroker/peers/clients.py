@@ -37,6 +37,7 @@ from google.protobuf.message import Message
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.model import Component, TransferState
+from kvbroker.core.tasks import OwnedTasks
 from kvbroker.flows.transfers import Grant, TransferStatus
 from kvbroker.ops.metrics import Metrics
 from kvbroker.peers import wire
@@ -84,7 +85,7 @@ class PeerClients:
                  metrics: Metrics | None = None,
                  limits: ReplyBounds | None = None) -> None:
         self._metrics = metrics
-        self._closing: set[asyncio.Task] = set()  # disconnects and channel closes under way
+        self._closing = OwnedTasks()  # disconnects and channel closes under way
         # half the peer port's message limit for a call's notices: the rest is slack for the framing
         batch_bytes = (limits.port_bytes // 2) if limits is not None else 1 << 62
         self.notifier = Notifier(self._send_notices, timeout_s=rpc_timeout_s, max_batch_bytes=batch_bytes)
@@ -102,7 +103,6 @@ class PeerClients:
 
     def _track(self, task: asyncio.Task) -> None:
         self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
 
     def _disconnect(self, handles) -> None:
         """Give back these connects of the backend; the engine keeps a peer as long as a write to it runs."""
@@ -290,8 +290,6 @@ class PeerClients:
         self._sessions.clear()
         self._parked.clear()
         self._disconnect(handles)
-        if self._closing:
-            _, late = await asyncio.wait(list(self._closing), timeout=CLOSE_WAIT_S)
-            if late:
+        if late := await self._closing.wait(CLOSE_WAIT_S):
                 log.warning("%d peer channels or transfer-engine peers not released within %.0fs", len(late),
                             CLOSE_WAIT_S)
