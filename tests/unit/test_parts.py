@@ -20,6 +20,7 @@ from kvbroker.core.model import (
     Topology,
 )
 from kvbroker.core.parts import Coverage, Landed, Landing, PartPages, check_grant_inside, landed_bytes, plan_part
+from tests.helpers import refusal
 
 MAIN, INDEX, DENSE = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 4, 0, 4, KvDtype.BFLOAT16)
@@ -49,11 +50,6 @@ def granted(n_main=8, n_index=4, n_dense=8):
 def fresh(grant):
     return Coverage({k: len(v) for k, v in grant.items()})
 
-
-def refusal(fn, *args, **kwargs) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 def test_a_chunk_lands_on_its_entries_with_one_descriptor_per_run_and_buffer():

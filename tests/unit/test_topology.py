@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvbroker.core import topology
-from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.errors import Code
 from kvbroker.core.model import (
     BufferLayout,
     BufferRole,
@@ -19,6 +19,7 @@ from kvbroker.core.model import (
     Layout,
     Topology,
 )
+from tests.helpers import refusal
 
 BASE = Topology(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0, dp_rank=0,
                 page_size=16, start_layer=0, end_layer=4, kv_dtype=KvDtype.BFLOAT16)
@@ -34,11 +35,6 @@ def engine(topo=BASE, item_len=64, layers=(2, 3), layout=Layout.FLAT, kinds=(IND
         comps[kind] = ComponentLayout(kind, layout, 64, bufs)
     return EngineLayout("e", topo, comps)
 
-
-def refusal(fn, *args, **kwargs) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 def test_index_with_value_is_unimplemented():
