@@ -74,6 +74,7 @@ from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import Engine
+from tests.integration.flows import DENSE, M3, offer
 from tests.integration.parts_model import (
     DE,
     FAILED,
@@ -97,7 +98,6 @@ from tests.integration.parts_model import (
     code_value,
     explanations,
 )
-from tests.integration.test_offered_flow import DENSE, M3, offer
 
 pytestmark = pytest.mark.integration
 
