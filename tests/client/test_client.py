@@ -275,7 +275,7 @@ async def test_too_many_pages_raise_resource_exhausted(brokers_of_test, pools):
         dst = pool_engine(pools, unique("decode"), fill="canary", num_pages=4)
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         with pytest.raises(ResourceExhausted) as info:
-            await client.expect_transfer(dst.engine_id, unique("req"), [0, 1, 2, 3, 4])
+            await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[0, 1, 2, 3, 4])
     assert_raised(info, ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, "limit of 4")
 
 
@@ -357,7 +357,7 @@ async def test_a_session_lost_without_a_restart_is_opened_again_with_the_engines
         client._session_call.cancel()
         with pytest.raises(Aborted):
             await waiting  # the broker released the engine: its grant failed
-        status = await client.expect_transfer(dst.engine_id, unique("req"), [2], timeout=30)
+        status = await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[2], timeout=30)
         info = await client.info()
         assert status.state is TransferState.PENDING
         assert client.session_id not in ("", lost)
@@ -373,7 +373,7 @@ async def test_client_registers_its_engines_again_after_a_restart_on_the_same_po
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         old_epoch, old_session = client.epoch, client.session_id
         broker = await brokers_of_test.restart(broker)
-        status = await client.expect_transfer(dst.engine_id, unique("req"), [1, 2], timeout=30)
+        status = await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[1, 2], timeout=30)
         assert status.state is TransferState.PENDING
         info = await client.info()
         new_session = client.session_id
@@ -402,7 +402,8 @@ async def test_concurrent_calls_after_a_restart_register_once(brokers_of_test, p
         dst = pool_engine(pools, unique("decode"), fill="canary")
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         await brokers_of_test.restart(broker)
-        statuses = await asyncio.gather(*(client.expect_transfer(dst.engine_id, unique("req"), [i], timeout=30)
+        statuses = await asyncio.gather(*(client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[i],
+                                                                 timeout=30)
                                           for i in range(8)))
     assert {s.state for s in statuses} == {TransferState.PENDING}
     assert client.restarts_seen == 1
@@ -485,7 +486,7 @@ async def test_a_broker_owned_engine_is_not_registered_again_after_a_restart(bro
         client._engines[pooled.engine_id].memory_ownership = bpb.MEMORY_OWNERSHIP_BROKER
         await brokers_of_test.restart(broker)
         with pytest.raises(NotFound) as info:
-            await client.expect_transfer(pooled.engine_id, unique("req"), [1], timeout=30)
+            await client.expect_transfer(pooled.engine_id, unique("req"), dst_page_ids=[1], timeout=30)
         assert client.lost_engines == (pooled.engine_id,)
         assert (await client.info()).engine_ids == (kept.engine_id,)
         assert await client.unregister_engine(pooled.engine_id) == 0
