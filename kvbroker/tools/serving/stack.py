@@ -201,8 +201,10 @@ async def start_router(prefill: ServerProcess, decode: ServerProcess, log_dir: P
                "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--log-level", "info",
-               # a decode server that died and came back is seen within seconds
-               "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
+               # a decode server that died and came back is seen within seconds; /health, not
+               # /health_generate, which costs each server a generation every interval
+               "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
+               "--health-failure-threshold", "1",
                "--health-success-threshold", "1", *args]
     router = await _spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
     await router.wait_ready("/readiness", timeout)  # 200 once it holds healthy prefill and decode workers
