@@ -94,19 +94,33 @@ async def test_client_that_disconnects_before_bootstrap(pd, reference, http):
     await settled(pd, reference, http)
 
 
-async def test_broker_restarted_between_requests(pd, reference, http):
-    for side in ("prefill", "decode"):
-        await pd.restart_broker(side)
-        prompt = client.prompts(1, 100, seed=71 if side == "prefill" else 72)[0]
+async def test_decode_broker_restarted_between_requests(pd, reference, http):
+    await _restart_then_ask(pd, reference, http, "decode", seed=72)
+
+
+# The plugin's client registers its engine again only at its next call to the broker, and after a
+# prefill broker restart the next call is decode's offer, which that broker refuses (NOT_FOUND: no
+# engine registered) before prefill calls at all: the first request after the restart fails.
+@pytest.mark.xfail(strict=True, reason="issue 20 report: prefill's engine is registered again only lazily")
+async def test_prefill_broker_restarted_between_requests(pd, reference, http):
+    await _restart_then_ask(pd, reference, http, "prefill", seed=71)
+
+
+async def _restart_then_ask(pd, reference, http, side: str, seed: int) -> None:
+    await pd.restart_broker(side)
+    prompt = client.prompts(1, 100, seed=seed)[0]
+    try:
         answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
         assert answer.output_ids == await reference.answer(prompt), f"after the {side} broker restarted"
+    finally:
         await settled(pd, reference, http)
 
 
 async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
     """Prefill paused in place after its first part landed holds the transfer half done (it computes no
-    further chunk) while decode is killed and started again; then prefill resumes into a grant whose
-    server is gone."""
+    further chunk) while decode is killed; prefill resumes into a grant whose server is gone, and
+    decode is started again. (A paused server fails /health after 20 s, so the router takes it back
+    only once it resumed: decode starts after that.)"""
     prompt = client.prompts(1, 40 * CHUNK_TOKENS, seed=61)[0]  # 40 parts
     before = await stack.broker_holds(pd.brokers["prefill"])
     request = asyncio.ensure_future(client.generate(http, pd.url, prompt, ANSWER_TOKENS))
@@ -121,11 +135,12 @@ async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
         held = await stack.broker_holds(pd.brokers["prefill"])
         assert held["live_requests"] > 0 and held["succeeded"] == before["succeeded"], \
             f"the transfer ended before decode was killed; nothing was cut: {held}"
-        await pd.restart_decode(kill=True)
+        await pd.decode.kill()
     finally:
         await _post(http, pd.prefill.url + "/continue_generation", {})
     with contextlib.suppress(Exception):  # cut with its decode server: it fails, however the router says it
         await asyncio.wait_for(request, 120)
+    await pd.start_decode()
     await settled(pd, reference, http)
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)  # the same request, again
     assert answer.output_ids == await reference.answer(prompt)

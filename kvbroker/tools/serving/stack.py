@@ -189,7 +189,11 @@ async def start_server(name: str, model: Path, log_dir: Path, *, mode: str | Non
     command += list(args)
     server = await _spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}", bootstrap_port)
     if wait:
-        await server.wait_ready("/health_generate", timeout)
+        try:
+            await server.wait_ready("/health_generate", timeout)
+        except BaseException:  # cancelled or failed: nobody else holds it to stop it
+            await server.kill()
+            raise
     return server
 
 
@@ -236,12 +240,17 @@ class PDStack:
         return f"kvbroker-{self.engine}" if self.transfer == "kvbroker" else "mooncake"
 
     async def restart_decode(self, *, kill: bool = True) -> None:
-        """Decode killed (SIGKILL, a crash) or stopped, and started again on the same port; the
-        router finds it there again."""
+        """Decode killed (SIGKILL, a crash) or stopped, and started again on the same port."""
         if kill:
             await self.decode.kill()
         else:
             await self.decode.stop()
+        await self.start_decode()
+
+    async def start_decode(self) -> None:
+        """A new decode server where the last one was (it has ended); back once the router holds it again."""
+        if self.decode.alive():
+            raise RuntimeError(f"decode (pid {self.decode.pid}) still runs on port {self.decode.port}")
         self.decode = await start_server("decode", self.model, self.log_dir, mode="decode", transfer=self.transfer,
                                          args=self.decode_args, env=self._server_env("decode"),
                                          port=self.decode.port)
@@ -267,17 +276,10 @@ class PDStack:
 
     async def stop(self) -> None:
         """Everything, router first; raises ChildDied naming every child that had died unasked."""
-        deaths = []
-        for child in (self.router, self.decode, self.prefill):
-            try:
-                await child.stop()
-            except ChildDied as exc:
-                deaths.append(str(exc))
-        for broker in self.brokers.values():
-            try:
-                await broker.stop()
-            except ChildDied as exc:
-                deaths.append(str(exc))
+        ended = [await asyncio.gather(self.router.stop(), return_exceptions=True)]
+        ended.append(await asyncio.gather(self.decode.stop(), self.prefill.stop(), return_exceptions=True))
+        ended.append(await asyncio.gather(*(b.stop() for b in self.brokers.values()), return_exceptions=True))
+        deaths = [str(e) for group in ended for e in group if isinstance(e, BaseException)]
         if deaths:
             raise ChildDied("\n".join(deaths))
 
