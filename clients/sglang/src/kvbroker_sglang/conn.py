@@ -10,7 +10,8 @@ a metadata frame over SGLang's ZMQ control socket (`wire`).
 
     decode  KvbrokerKVReceiver.send_metadata -> ExpectTransfer(pages per component, offered to the
             prefill broker) -> metadata frame -> watch the grant -> aux rows written -> Success
-    prefill metadata frame -> watch the offered sender record (PENDING: WaitingForInput)
+    prefill metadata frame (decode's offer is on this broker: WaitingForInput) -> watch the offered
+            sender record
             KvbrokerKVSender.send per chunk -> one Transfer part; the last carries the states and aux
     both    poll() is SGLang's KVPoll from the broker's states; a room that fails is cancelled on the
             broker, and poll() holds it (Transferring) until the broker says no write into its
@@ -413,6 +414,10 @@ class KvbrokerKVManager(CommonKVManager):
             self.fail(room, f"kvbroker moves a request from one prefill rank into one decode rank; {len(real)} "
                             "decode ranks asked this rank for it (decode attention TP above prefill's)")
         else:
+            # Decode pushes the frame only once its ExpectTransfer returned, i.e. once this broker took
+            # the offer: WaitingForInput now, not after a watch call's round trip (time to first token).
+            # The watch follows the offer from here; one revoked meanwhile fails the room.
+            self.update_status(room, KVPoll.WaitingForInput)
             state = self.room(room)
             state.task = self.loop.spawn(self._watch_offer(room), name=f"watch {room}")
 
