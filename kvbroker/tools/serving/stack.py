@@ -230,6 +230,7 @@ class PDStack:
     prefill_args: tuple[str, ...] = ()
     decode_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    decode_env: dict[str, str] = field(default_factory=dict)  # decode's only, over `env`
 
     @property
     def url(self) -> str:
@@ -266,7 +267,7 @@ class PDStack:
         return self.brokers[side]
 
     def _server_env(self, side: str) -> dict[str, str]:
-        extra = dict(self.env)
+        extra = dict(self.env) | (self.decode_env if side == "decode" else {})
         if self.transfer == "kvbroker":
             extra |= {"SGLANG_PLUGINS": "kvbroker", "KVBROKER_ADDRESS": self.brokers[side].listen,
                       "KVBROKER_ENGINE_PREFIX": f"{self.label}-{side}"}
@@ -298,8 +299,10 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
 
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",
                    prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
-                   env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> PDStack:
-    """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router."""
+                   env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
+                   timeout: float = START_TIMEOUT_S) -> PDStack:
+    """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router.
+    `env` is both servers' extra environment, `decode_env` decode's alone."""
     if transfer not in ("kvbroker", "mooncake"):
         raise ValueError(f"transfer: {transfer!r} is neither 'kvbroker' nor 'mooncake'")
     engine = engine if transfer == "kvbroker" else "mooncake"
@@ -313,7 +316,7 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
                                         _start_broker("decode", engine, log_dir))
             brokers = dict(zip(("prefill", "decode"), pair))
         half = PDStack(transfer, engine, model, log_dir, None, None, None, brokers,  # type: ignore[arg-type]
-                       tuple(prefill_args), tuple(decode_args), dict(env or {}))
+                       tuple(prefill_args), tuple(decode_args), dict(env or {}), dict(decode_env or {}))
         prefill = await start_server("prefill", model, log_dir, mode="prefill", transfer=transfer,
                                      args=prefill_args, env=half._server_env("prefill"), wait=False)
         servers.append(prefill)
