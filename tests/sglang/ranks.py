@@ -1,14 +1,16 @@
 """SGLang ranks built the way SGLang 0.5.23 builds them, on CPU, for the tests of kvbroker_sglang.
 
-    minimax_pool(...)        a real MiniMaxSparseKVPool (3 dense + 4 K-only sparse layers) whose
-                             buffers were moved into /dev/shm (torch's file_system sharing), filled
+    minimax_pool(...)        a real MiniMaxSparseKVPool (3 dense + 4 K-only sparse layers), built
+                             through the plugin's pool hook (host_pools: its CPU buffers born in
+                             /dev/shm, as in a kvbroker PD server), filled
     mha_pool(...), mla_pool(...)   SGLang's MHA and MLA pools, likewise (layout tests)
     rank_kv_args(pool, ...)  KVArgs as prefill.py/decode.py `_init_kv_manager` fill them, with real
                              MetadataBuffers for aux and SGLang's own setup_state_kv_args
     SGLangProcess(port)      the runtime context a scheduler process publishes (loopback, bootstrap port)
     page_bytes(pool, ...)    the bytes of given pages of every buffer of a component, for comparison
 
-No SGLang class is imitated: every object here is SGLang's, only placed in shared memory.
+No SGLang class is imitated: every object here is SGLang's, placed in shared memory as the plugin places it.
+The pools need SGLangProcess's context (a kvbroker PD server's server args), as the hook reads them.
 """
 
 from __future__ import annotations
@@ -35,17 +37,14 @@ from sglang.srt.disaggregation.utils import (  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MiniMaxSparseKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.runtime_context import get_context, get_parallel  # noqa: E402
 
+from kvbroker_sglang.host_pools import build_pool_in_shared_memory  # noqa: E402
+
 DENSE_LAYERS = [0, 1, 2]
 SPARSE_LAYERS = [3, 4, 5, 6]
 PAGE_SIZE = 4
 POOL_TOKENS = 128  # 32 pages (SGLang adds one page of padding: 33 pages per buffer)
 METADATA_SLOTS = 8
 HIDDEN_SIZE = 16
-
-
-def _share(tensors: Sequence[torch.Tensor]) -> None:
-    for tensor in tensors:
-        tensor.untyped_storage().share_memory_()  # in place: every view follows, data_ptr moves to /dev/shm
 
 
 def pool_buffers(pool) -> list[torch.Tensor]:
@@ -57,12 +56,14 @@ def pool_buffers(pool) -> list[torch.Tensor]:
     return [*main.k_buffer, *main.v_buffer, *(pool.index_k_pool.k_buffer if pool.index_k_pool else ())]
 
 
-def _in_shm(pool, seed: int):
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    buffers = pool_buffers(pool)
-    _share(buffers)
+def built(pool_class, *args, **kwargs):
+    """SGLang's pool class built as the plugin's hook on SGLang's KV-cache configurator builds it."""
+    return build_pool_in_shared_memory(pool_class, *args, **kwargs)
+
+
+def _filled(pool, seed: int):
     rng = np.random.default_rng(seed)
-    for buffer in buffers:
+    for buffer in pool_buffers(pool):
         raw = buffer.view(torch.uint8).numpy().reshape(-1)
         raw[:] = rng.integers(0, 256, raw.size, dtype=np.uint8)
     return pool
@@ -70,25 +71,23 @@ def _in_shm(pool, seed: int):
 
 def mha_pool(seed: int, *, start_layer: int, end_layer: int) -> MHATokenToKVPool:
     """SGLang's MHA pool for layers [start_layer, end_layer) (a PP stage), bf16, 2 KV heads of 16."""
-    return _in_shm(MHATokenToKVPool(POOL_TOKENS, PAGE_SIZE, torch.bfloat16, 2, 16, end_layer - start_layer, "cpu",
-                                    False, start_layer=start_layer, end_layer=end_layer), seed)
+    return _filled(built(MHATokenToKVPool, POOL_TOKENS, PAGE_SIZE, torch.bfloat16, 2, 16, end_layer - start_layer,
+                         "cpu", False, start_layer=start_layer, end_layer=end_layer), seed)
 
 
 def mla_pool(seed: int, *, layers: int) -> MLATokenToKVPool:
     """SGLang's MLA pool: one latent (kv_lora_rank 32 + rope 8) per layer, bf16."""
-    return _in_shm(MLATokenToKVPool(POOL_TOKENS, PAGE_SIZE, torch.bfloat16, 32, 8, layers, "cpu", False,
-                                    start_layer=0, end_layer=layers), seed)
+    return _filled(built(MLATokenToKVPool, POOL_TOKENS, PAGE_SIZE, torch.bfloat16, 32, 8, layers, "cpu", False,
+                         start_layer=0, end_layer=layers), seed)
 
 
 def minimax_pool(seed: int, *, fill: str = "random", index_value: bool = False) -> MiniMaxSparseKVPool:
     """SGLang's MiniMax-M3 pool on CPU: bf16 KV, one KV head of 32, a 16-wide index; buffers in /dev/shm."""
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    pool = MiniMaxSparseKVPool(size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16, head_num=1, head_dim=32,
-                               idx_head_dim=16, dense_layer_ids=DENSE_LAYERS, sparse_layer_ids=SPARSE_LAYERS,
-                               disable_value_sparse_layer_ids=[] if index_value else SPARSE_LAYERS, device="cpu",
-                               start_layer=0, end_layer=7)
+    pool = built(MiniMaxSparseKVPool, size=POOL_TOKENS, page_size=PAGE_SIZE, dtype=torch.bfloat16, head_num=1,
+                 head_dim=32, idx_head_dim=16, dense_layer_ids=DENSE_LAYERS, sparse_layer_ids=SPARSE_LAYERS,
+                 disable_value_sparse_layer_ids=[] if index_value else SPARSE_LAYERS, device="cpu", start_layer=0,
+                 end_layer=7)
     buffers = pool_buffers(pool)
-    _share(buffers)
     rng = np.random.default_rng(seed)
     for buffer in buffers:
         raw = buffer.view(torch.uint8).numpy().reshape(-1)

@@ -60,7 +60,7 @@ def test_a_torch_tensor_shared_under_file_system_resolves_to_torchs_own_segment(
 
 def test_private_host_memory_is_refused_with_what_to_change():
     tensor = torch.zeros(1 << 20, dtype=torch.uint8)  # malloc'd: anonymous, private
-    with pytest.raises(NotExportable, match="private host memory.*share_memory_") as raised:
+    with pytest.raises(NotExportable, match="private host memory.*host_pools") as raised:
         MemoryExporter(cuda=False).ref(tensor.data_ptr(), tensor.nbytes, "kv_data_ptrs[3]")
     assert "kv_data_ptrs[3]" in str(raised.value)
 

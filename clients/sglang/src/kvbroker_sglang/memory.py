@@ -229,9 +229,11 @@ class LibCuda:
 
 # -- both ----------------------------------------------------------------------------------------
 
-_HOST_HINT = ("place host KV pools in shared memory (e.g. torch.multiprocessing.set_sharing_strategy("
-              "'file_system') and share_memory_() on the pool's buffers before the KV manager starts), or "
-              "keep the KV cache on the GPU")
+_HOST_HINT = ("kvbroker's SGLang plugin builds the host KV pools of SGLang's KV-cache configurator in shared "
+              "memory (kvbroker_sglang.host_pools); this buffer was allocated elsewhere (e.g. "
+              "--enable-unified-memory's single buffer, or a pool built outside SGLang's configurator): build it "
+              "under kvbroker_sglang.host_pools.SharedHostAllocations, move it with "
+              "untyped_storage()._share_filename_cpu_() before its address is cached, or keep the KV cache on the GPU")
 _VMM_HINT = ("the allocation comes from CUDA's VMM API (PyTorch's expandable segments), which has no legacy "
              "CUDA IPC handle: start SGLang with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False "
              "(and no SGLANG_MOONCAKE_CUSTOM_MEM_POOL), or register broker-owned memory")

@@ -8,6 +8,8 @@ launcher before it parses arguments and again in every scheduler child; `load()`
         (prefill.py, decode.py, disagg_service, the scheduler) returns kvbroker_sglang.conn's classes
     records each pool's layer ids on its KVArgs (an AFTER hook on setup_state_kv_args): KVArgs
         carries bare pointers, and kv_layer_ids is empty for MiniMax's pool
+    builds host (CPU) KV pools in shared memory (an AROUND hook on the KV-cache configurator's
+        _build_token_to_kv_pool, see host_pools), so brokers can open them; GPU pools stay as they are
 
 It refuses any SGLang but the one it is tested with, saying so (SGLang logs a failing plugin and
 goes on; the kvbroker choice is then absent and argparse names it invalid).
@@ -85,9 +87,12 @@ def load() -> None:
     from sglang.srt.disaggregation.utils import TransferBackend
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from kvbroker_sglang import host_pools
+
     if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
         DISAGG_TRANSFER_BACKEND_CHOICES.append(BACKEND)
     extend_enum(TransferBackend, "KVBROKER", BACKEND)
     HookRegistry.register(f"{_UTILS}.get_kv_class", _get_kv_class, HookType.AROUND)
     HookRegistry.register(f"{_UTILS}.setup_state_kv_args", _record_pool, HookType.AFTER)
+    HookRegistry.register(host_pools.HOOK_TARGET, host_pools.build_pool_in_shared_memory, HookType.AROUND)
     log.info("kvbroker: transfer backend %r registered with SGLang %s", BACKEND, SGLANG_VERSION)
