@@ -3,6 +3,7 @@
 - `build_minimax_model(path, tokenizer_dir=None)`: writes a model directory (config.json naming a
   local configuration module, that module, a tokenizer) for `--trust-remote-code --load-format dummy`:
   3 dense layers then 4 sparse layers whose index branch is K-only, a small MoE, small sizes.
+  `minimax()`: that directory built once into the serving tools' cache, as `models.llama()` is.
 - `install()`: makes SGLang serve it on a CPU. `MiniMaxSparseAttnBackend` has only Triton kernels
   for its sparse attention; ours are in torch (`sparse_attention`, `select_blocks`). And the dummy
   loader's weights are redrawn (`randomize_weights`) at a scale under which tokens depend on the KV.
@@ -27,6 +28,7 @@ It is test tooling, not a kernel: no batching across requests, O(context) work p
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -48,7 +50,6 @@ TOPK = 4
 INIT = 1
 LOCAL = 1
 
-VOCAB = 1024
 
 # What a server of this model needs in its environment besides the serving stack's own:
 # MiniMaxM3MoE's router GEMM asks torch.mm for float32 output from bfloat16 inputs, which has no
@@ -58,7 +59,9 @@ SERVER_ENV = {
 }
 
 # Server flags the model needs besides the CPU ones (--device cpu --attention-backend torch_native ...).
-SERVER_ARGS = ("--trust-remote-code", "--load-format", "dummy")
+# --dtype float32: with "auto" SGLang 0.5.23 runs a float32 config in float16 on CPU, and a server of
+# this model in float16 was seen never to answer its first /health_generate.
+SERVER_ARGS = ("--trust-remote-code", "--load-format", "dummy", "--dtype", "float32")
 
 CORRUPT_ENV = "KVBROKER_MINIMAX_CORRUPT_INDEX_K"
 
@@ -75,15 +78,19 @@ class MiniMaxM3TestConfig(PretrainedConfig):
 '''
 
 
-def model_config(dtype: str = "bfloat16") -> dict:
-    """The config.json of the model: small sizes, MiniMax-M3's structure."""
+def model_config(vocab_size: int) -> dict:
+    """The config.json of the model: small sizes, MiniMax-M3's structure.
+
+    float32 for the reason kvbroker.tools.serving.models gives for its Llama: the PD checks compare
+    greedy tokens with a non-PD server's, and bfloat16 turns random weights' near-ties into flips.
+    """
     sparse = [0] * DENSE_LAYERS + [1] * SPARSE_LAYERS
     return {
         "architectures": ["MiniMaxM3SparseForCausalLM"],
         "model_type": "minimax_m3",
         "auto_map": {"AutoConfig": "configuration_minimax_m3.MiniMaxM3TestConfig"},
-        "torch_dtype": dtype,
-        "vocab_size": VOCAB,
+        "torch_dtype": "float32",
+        "vocab_size": vocab_size,
         "hidden_size": 64,
         "num_hidden_layers": LAYERS,
         "num_attention_heads": 4,
@@ -122,9 +129,6 @@ def model_config(dtype: str = "bfloat16") -> dict:
             "sparse_local_block": LOCAL,
             "sparse_score_type": "max",
         },
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
     }
 
 
@@ -132,42 +136,40 @@ def build_minimax_model(path: str | os.PathLike, tokenizer_dir: str | os.PathLik
     """Writes the model directory at `path` and returns it.
 
     `tokenizer_dir`: a directory holding a tokenizer (tokenizer.json and its companions) to copy in;
-    without one, a byte-level BPE tokenizer is trained here on the Python standard library's sources.
-    Weights: none; serve with SERVER_ARGS (`--load-format dummy` fills them with random values).
+    without one, the serving tools' byte-level BPE tokenizer is trained into `path`
+    (kvbroker.tools.serving.models.build_tokenizer). Weights: none; serve with SERVER_ARGS
+    (`--load-format dummy`), and install() redraws them.
     """
+    from transformers import AutoTokenizer
+
+    from kvbroker.tools.serving import models
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model_config(), indent=2))
-    (path / "configuration_minimax_m3.py").write_text(_CONFIG_MODULE)
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
     if tokenizer_dir is not None:
-        for item in Path(tokenizer_dir).iterdir():
-            if item.is_file() and (item.name.startswith("tokenizer") or item.name.endswith(".json")) \
-                    and item.name not in ("config.json", "generation_config.json"):
-                (path / item.name).write_bytes(item.read_bytes())
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        tokenizer.save_pretrained(str(path))
     else:
-        _train_tokenizer(path)
+        tokenizer = models.build_tokenizer(path)
+    config = model_config(max(len(tokenizer), models.VOCAB_SIZE))
+    config.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "configuration_minimax_m3.py").write_text(_CONFIG_MODULE)
+    (path / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}))
     return path
 
 
-def _train_tokenizer(path: Path) -> None:
-    import sysconfig
+def minimax() -> Path:
+    """The model's directory in the serving tools' cache (as kvbroker.tools.serving.models.llama()),
+    built on first use under a name that hashes the recipe."""
+    from kvbroker.tools.serving import models
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(stdlib / name).read_text(encoding="utf-8") for name in sorted(
-        ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py"))]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    special = ["<s>", "</s>", "<pad>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.save_pretrained(str(path))
+    recipe = {"config": model_config(models.VOCAB_SIZE), "module": _CONFIG_MODULE, "corpus": models.CORPUS_PACKAGES,
+              "v": models.RECIPE_VERSION}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return models._built(f"minimax-{digest}", build_minimax_model)
 
 
 def index_k_corruption() -> str | None:
