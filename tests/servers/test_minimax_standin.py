@@ -197,3 +197,43 @@ def test_randomized_weights_are_the_same_in_every_process_and_not_the_dummy_scal
     assert torch.equal(model.proj.weight, twin.proj.weight)
     assert torch.equal(model.input_layernorm.weight, torch.ones(64))
     assert 0.5 < float(model.proj.weight.detach().std() * 64**0.5) < 2.0
+
+
+# A real SGLang 0.5.23 server of the MiniMax model, started as the serving tools start theirs.
+
+SERVER_START_S = 900.0  # one server starts in about two minutes on 2 idle cores; far longer on busy ones
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(SERVER_START_S + 300)
+async def test_a_server_answers_deterministically_and_the_answer_depends_on_the_index_k(tmp_path):
+    """Greedy tokens of a plain server of the model: the same prompt twice (the second from its radix
+    cache) gives the same tokens; with the index K read as zeros, or negated, every prompt's tokens
+    change; with the switch off again they are back."""
+    import aiohttp
+
+    from kvbroker.tools.serving import client, stack
+
+    switch = tmp_path / "index-k"
+    server = await stack.start_reference(minimax.minimax(), tmp_path, args=minimax.SERVER_ARGS,
+                                         env={"KVBROKER_SERVING_MINIMAX": "1", minimax.CORRUPT_ENV: str(switch)},
+                                         timeout=SERVER_START_S)
+    try:
+        prompts = client.prompts(3, 24, seed=20)  # 24 tokens: 12 blocks, of which the index K picks 2
+
+        async def answers():
+            async with aiohttp.ClientSession() as session:
+                return [(await client.generate(session, server.url, p, 8)).output_ids for p in prompts]
+
+        clean = await answers()
+        assert await answers() == clean
+        switch.write_text("zero")
+        zeroed = await answers()
+        switch.write_text("negate")
+        negated = await answers()
+        switch.unlink()
+        assert await answers() == clean
+        for i in range(len(prompts)):
+            assert zeroed[i] != clean[i] and negated[i] != clean[i], (i, clean[i], zeroed[i], negated[i])
+    finally:
+        await server.stop()
