@@ -107,13 +107,10 @@ def fill_prefill_aux(pair: Pair, room: int) -> None:
     metadata.bootstrap_room[PREFILL_AUX, 0] = room
 
 
-def start(pair: Pair, request: Request) -> tuple[Watched, Watched]:
-    """Both bootstrap queues: a sender and a receiver; decode allocates and sends its metadata."""
+def send_decode_metadata(pair: Pair, request: Request, receiver: Watched) -> None:
+    """decode.py's prealloc queue: the receiver bootstraps, decode allocates and sends its metadata."""
     from sglang.srt.disaggregation.minimax import minimax_index_transfer_pages
 
-    sender = Watched(KvbrokerKVSender(pair.prefill, pair.bootstrap, request.room))
-    receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, request.room))
-    sender.poll(), receiver.poll()
     receiver.side.init(0)
     receiver.until(*_polls("WaitingForInput"))
     decode_tokens = request.token_indices(request.decode_pages)
@@ -121,6 +118,14 @@ def start(pair: Pair, request: Request) -> tuple[Watched, Watched]:
     index_pages = minimax_index_transfer_pages(decode_tokens, page_size=ranks.PAGE_SIZE, prefix_len=prefix)
     receiver.side.send_metadata(request.decode_pages[PREFIX_PAGES:].astype(np.int32), DECODE_AUX,
                                 [index_pages, request.decode_pages.astype(np.int32)], decode_prefix_len=prefix)
+
+
+def start(pair: Pair, request: Request) -> tuple[Watched, Watched]:
+    """Both bootstrap queues: a sender and a receiver; decode allocates and sends its metadata."""
+    sender = Watched(KvbrokerKVSender(pair.prefill, pair.bootstrap, request.room))
+    receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, request.room))
+    sender.poll(), receiver.poll()
+    send_decode_metadata(pair, request, receiver)
     (waiting,), (failed,) = _polls("WaitingForInput"), _polls("Failed")
     deadline = time.monotonic() + POLL_TIMEOUT_S
     while sender.poll() != waiting:

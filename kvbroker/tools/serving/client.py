@@ -74,3 +74,22 @@ def prompts(count: int, length: int, *, vocab: int = 2048, seed: int = 0, first_
     """`count` random prompts of `length` token ids (ids below `first_id` are the special tokens)."""
     rng = random.Random(seed)
     return [[rng.randrange(first_id, vocab) for _ in range(length)] for _ in range(count)]
+
+
+async def first_token_then_drop(session, url: str, input_ids: list[int], max_new_tokens: int = 64,
+                                timeout: float = REQUEST_TIMEOUT_S) -> list[int]:
+    """A client that reads the first streamed token and then closes its connection mid-request."""
+    import aiohttp
+
+    body = {"input_ids": input_ids, "sampling_params": sampling(max_new_tokens), "stream": True}
+    async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as response:
+        if response.status != 200:
+            raise RuntimeError(f"POST {url}/generate: HTTP {response.status}: {(await response.text())[:500]}")
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                ids = json.loads(line[len("data:"):]).get("output_ids") or []
+                if ids:
+                    response.close()  # drops the connection: the router and the servers see the client go
+                    return ids
+    raise RuntimeError(f"POST {url}/generate: the stream ended before its first token")

@@ -200,7 +200,12 @@ async def start_router(prefill: ServerProcess, decode: ServerProcess, log_dir: P
     command = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port()), "--log-level", "info", *args]
+               "--prometheus-port", str(free_port()), "--log-level", "info",
+               # a decode server that died and came back is seen within seconds; /health, not
+               # /health_generate, which costs each server a generation every interval
+               "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
+               "--health-failure-threshold", "1",
+               "--health-success-threshold", "1", *args]
     router = await _spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
     await router.wait_ready("/readiness", timeout)  # 200 once it holds healthy prefill and decode workers
     return router
@@ -240,6 +245,7 @@ class PDStack:
         self.decode = await start_server("decode", self.model, self.log_dir, mode="decode", transfer=self.transfer,
                                          args=self.decode_args, env=self._server_env("decode"),
                                          port=self.decode.port)
+        await self.router.wait_ready("/readiness", 120.0)
 
     async def restart_broker(self, side: str) -> BrokerProcess:
         """The broker beside `side` stopped and started again on the same addresses; the server's
@@ -283,7 +289,9 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
         args += ["--listen", listen, "--peer-listen", peer_listen]
     else:
         args += ["--listen", f"unix:{log_dir}/broker-{side}.sock"]
-    return await start_broker(f"{side}-{engine}", *args)
+    # Traced brokers run with the site dir too: its sitecustomize installs the trace.
+    env = {"PYTHONPATH": str(SITE)} if os.environ.get("KVBROKER_SERVING_TRACE") else None
+    return await start_broker(f"{side}-{engine}", *args, env=env)
 
 
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",
@@ -329,3 +337,21 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
 async def start_reference(model: Path, log_dir: Path, *, args: Sequence[str] = (),
                           env: dict[str, str] | None = None, timeout: float = START_TIMEOUT_S) -> ServerProcess:
     return await start_server("reference", model, log_dir, args=args, env=env, timeout=timeout)
+
+
+async def broker_holds(broker: BrokerProcess, timeout: float = 5.0) -> dict[str, int]:
+    """What a broker holds now, from its GetBrokerInfo: live requests (accepted, not yet ended: its
+    grants on decode, the offers' and Transfers' records on prefill) and its engines. GetBrokerInfo
+    counts requests per state since start; every request counts once as PENDING and once in the
+    state it ended in, so live = PENDING - SUCCEEDED - FAILED."""
+    import grpc
+
+    from kvbroker_client.v1 import broker_service_pb2 as bpb
+    from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+
+    async with grpc.aio.insecure_channel(broker.listen) as channel:
+        info = await bpb_grpc.BrokerServiceStub(channel).GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=timeout)
+    counts = dict(info.request_counts)
+    return {"live_requests": counts.get("PENDING", 0) - counts.get("SUCCEEDED", 0) - counts.get("FAILED", 0),
+            "engines": len(info.engines), "succeeded": counts.get("SUCCEEDED", 0), "failed": counts.get("FAILED", 0),
+            "transferring": counts.get("TRANSFERRING", 0)}

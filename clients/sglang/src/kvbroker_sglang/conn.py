@@ -117,6 +117,10 @@ class _Room:
     code: object | None = None  # the broker's code of the first failure
     offering: asyncio.Future | None = None  # decode: the ExpectTransfer call, on the loop
     cleared: bool = False  # SGLang cleared the room while its cancel ran: forget it once that answers
+    has_sender: bool = False  # prefill: SGLang made the room's KVSender (decode's frame may come first)
+    parts_sent: int = 0  # prefill: parts handed to the loop; only they read the room's pages
+    final: TransferStatus | None = None  # prefill: the broker's SUCCEEDED status (bytes moved)
+    succeeded_at: float | None = None  # prefill: when it arrived (time.perf_counter)
 
 
 def _failure(error: BrokerError | TransferStatus) -> tuple[str, object]:
@@ -261,9 +265,14 @@ class KvbrokerKVManager(CommonKVManager):
         self.update_status(room, KVPoll.Failed)
 
     def holding(self, room: int) -> bool:
-        """Whether SGLang must not free the room's pages yet: its cancel has not answered."""
+        """Whether SGLang must not free the room's pages yet: its cancel has not answered, and a write
+        may still touch them: on decode, anything once the grant is offered; on prefill, only parts,
+        which read its pages. A prefill room no part left for is still in SGLang's bootstrap queue,
+        which takes no Transferring (pop_bootstrapped raises on it): see clients/README.md's table."""
         state = self._rooms.get(room)
-        return state is not None and state.cancel is not None and not state.cancel.done()
+        if state is None or state.cancel is None or state.cancel.done():
+            return False
+        return self.disaggregation_mode == DisaggregationMode.DECODE or state.parts_sent > 0
 
     def forget(self, room: int) -> None:
         """SGLang cleared the room: drop what is kept of it, now or, while its cancel runs, once it answers."""
@@ -330,6 +339,8 @@ class KvbrokerKVManager(CommonKVManager):
         state = self._rooms.get(room)
         if state is not None and state.cleared:
             self.forget(room)
+        else:
+            self._drop_if_unclaimed(room)
 
     def when_quiet(self, room: int, fn) -> None:
         """Call `fn()` once nothing can write into the room's pages: now, or when its cancel answers."""
@@ -386,6 +397,10 @@ class KvbrokerKVManager(CommonKVManager):
     def _on_metadata(self, meta: Metadata) -> None:
         room = meta.room
         with self._rooms_lock:
+            # Decode's frame may come before SGLang makes the room's KVSender: the router posts the
+            # request to both servers at once. SGLang lets the frame open the room (update_status
+            # creates it only in an opening state); the sender, when it comes, joins it.
+            self.update_status(room, KVPoll.Bootstrapping)
             infos = self.transfer_infos.setdefault(room, {})
             infos[meta.endpoint] = meta
             if len(infos) < meta.required_dst_info_num:
@@ -399,7 +414,33 @@ class KvbrokerKVManager(CommonKVManager):
                             "decode ranks asked this rank for it (decode attention TP above prefill's)")
         else:
             state = self.room(room)
-            state.task = self.loop.spawn(self._follow(room, sender=True), name=f"watch {room}")
+            state.task = self.loop.spawn(self._watch_offer(room), name=f"watch {room}")
+
+    async def _watch_offer(self, room: int) -> None:
+        await self._follow(room, sender=True)
+        self._drop_if_unclaimed(room)
+
+    def _drop_if_unclaimed(self, room: int) -> None:
+        """A room decode's frame opened that ended (its offer failed, its cancel answered) before SGLang
+        made its sender: no sender will clear it, so it is dropped here."""
+        if self.disaggregation_mode != DisaggregationMode.PREFILL:
+            return
+        with self._rooms_lock:
+            state = self._rooms.get(room)
+            if (state is None or state.has_sender or self.request_status.get(room) not in (KVPoll.Failed, None)
+                    or (state.cancel is not None and not state.cancel.done())):
+                return
+            for table in (self.request_status, self.transfer_infos, self.req_to_decode_prefix_len):
+                table.pop(room, None)
+            with self.failure_lock:
+                reason = self.failure_records.pop(room, "")
+            del self._rooms[room]
+        log.warning("kvbroker: request %s ended before this prefill server made its sender: %s", room, reason)
+
+    def claim(self, room: int) -> None:
+        """SGLang made the room's KVSender: the room is SGLang's to clear from now on."""
+        with self._rooms_lock:
+            self.room(room).has_sender = True
 
     # -- prefill: parts ----------------------------------------------------------------------------
     def add_transfer_request(self, bootstrap_room: int, kv_indices, index_slice: slice, is_last_chunk: bool,
@@ -428,6 +469,7 @@ class KvbrokerKVManager(CommonKVManager):
                 aux = encode_aux(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens, int(aux_index))
         state = self.room(room)
         state.offered = True
+        state.parts_sent += 1
         part = _Part(pages, int(index_slice.start), bool(is_last_chunk), aux, wait_event or indices_event)
         self.loop.spawn(self._send_part(room, state, part), name=f"part {room}@{part.dst_offset}")
 
@@ -529,6 +571,9 @@ class KvbrokerKVManager(CommonKVManager):
         elif self.disaggregation_mode == DisaggregationMode.DECODE:
             self._land_aux(room, status)
         else:
+            state = self._rooms.get(room)
+            if state is not None and state.final is None:
+                state.final, state.succeeded_at = status, time.perf_counter()
             self.update_status(room, KVPoll.Success)
 
     def _land_aux(self, room: int, status: TransferStatus) -> None:
@@ -556,10 +601,33 @@ class KvbrokerKVSender(CommonKVSender):
 
     kv_mgr: KvbrokerKVManager
 
+    def __init__(self, mgr: KvbrokerKVManager, bootstrap_addr: str, bootstrap_room: int, *args, **kwargs):
+        mgr.claim(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+
     def poll(self) -> KVPoll:
         if self.kv_mgr.holding(self.bootstrap_room):
             return KVPoll.Transferring
-        return super().poll()
+        status = super().poll()
+        if status == KVPoll.Success:
+            self._record_metric()
+        return status
+
+    def _record_metric(self) -> None:
+        """What the broker moved (bytes over every component and buffer) and how long it took from
+        SGLang's first send() to the broker's SUCCEEDED; kept here, as SGLang clears the room first."""
+        state = self.kv_mgr._rooms.get(self.bootstrap_room)
+        if state is None or state.final is None or self._transfer_metric.transfer_total_bytes is not None:
+            return
+        self._transfer_metric.transfer_total_bytes = int(state.final.bytes)
+        if self._transfer_start_time is not None and state.succeeded_at is not None:
+            self._transfer_metric.transfer_latency_s = max(0.0, state.succeeded_at - self._transfer_start_time)
+
+    def get_transfer_metric(self):
+        """prefill.py logs it per request (latency, bytes, speed): the broker's bytes once it succeeded."""
+        if self._transfer_metric.transfer_total_bytes is None:
+            return super().get_transfer_metric()  # not succeeded: SGLang's own estimate from the page counts
+        return self._transfer_metric
 
     def poll_pp_consensus(self) -> KVPoll:
         if self.kv_mgr.holding(self.bootstrap_room):
