@@ -29,10 +29,8 @@ It is test tooling, not a kernel: no batching across requests, O(context) work p
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import sys
 import zlib
 from pathlib import Path
 
@@ -374,47 +372,18 @@ _PATCHES = {
 }
 
 
-class _PatchOnImport:
-    """A meta-path finder that patches a module of _PATCHES as it is first imported, so that
-    install() from a sitecustomize costs nothing in processes that never load a model."""
-
-    def find_spec(self, name, path=None, target=None):
-        patch = _PATCHES.get(name)
-        if patch is None:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        exec_module = spec.loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_and_patch
-        return spec
-
-
-_finder = _PatchOnImport()
-
-
 def install() -> None:
     """Makes SGLang serve this model on a CPU: MiniMaxSparseAttnBackend's forward_extend and
     forward_decode become the stand-in's, and the dummy loader's weights `randomize_weights`'s.
 
-    Idempotent, and lazy: a module not imported yet is patched when it is. Sets SERVER_ENV's
+    Lazy (kvbroker.tools.serving.patches.after_import): a module not imported yet is patched when
+    it is, so SGLang's import order stays its own; the patches are idempotent. Sets SERVER_ENV's
     variables where the environment does not already set them (so a sitecustomize that calls this
     sets them before SGLang reads them).
     """
     for name, value in SERVER_ENV.items():
         os.environ.setdefault(name, value)
+    from kvbroker.tools.serving.patches import after_import
+
     for name, patch in _PATCHES.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            patch(module)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
+        after_import(name, patch)
