@@ -74,7 +74,7 @@ async def run(args: argparse.Namespace) -> dict:
     prompts = client.prompts(args.requests, args.prompt_tokens, seed=2026)
     batch = client.prompts(args.batch, args.prompt_tokens, seed=2027)
     load_before = os.getloadavg()
-    started_at = time.time()
+    started_at, commit = time.time(), _git_commit()
     async with compare.deployments(model, log_dir, labels) as deployments, aiohttp.ClientSession() as http:
         urls = {label: d.url for label, d in deployments.items()}
         series = await compare.interleaved_ttft(http, urls, prompts, args.tokens)
@@ -91,7 +91,7 @@ async def run(args: argparse.Namespace) -> dict:
     return {
         "what": "TTFT and requests/s through SGLang 0.5.23 PD servers (router, prefill, decode): kvbroker "
                 "beside SGLang's mooncake backend, same prompts, one run",
-        "commit": _git_commit(), "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at)),
+        "commit": commit, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at)),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},

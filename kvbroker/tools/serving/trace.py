@@ -91,6 +91,9 @@ def _plugin(module) -> None:
     _wrap(receiver, "send_metadata", "decode.send_metadata", lambda a, k: a[0].bootstrap_room)
     _wrap(manager, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
           fields=lambda a, k: {"decode_prefix_len": a[1].decode_prefix_len})
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
     seen: dict[int, object] = {}
     original = receiver.poll
 
@@ -100,7 +103,7 @@ def _plugin(module) -> None:
         room = self.bootstrap_room
         if seen.get(room) != state:
             seen[room] = state
-            _emit("decode.status", room, state=getattr(state, "name", str(state)))
+            _emit("decode.status", room, state=names.get(state, str(state)))
         return state
 
     receiver.poll = poll
