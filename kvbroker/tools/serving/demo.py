@@ -21,13 +21,13 @@ PROMPT = "def read_config(path):\n    \"\"\"Read the configuration file at path 
 
 async def run(args: argparse.Namespace) -> int:
     import aiohttp
-    from transformers import AutoTokenizer
+    from tokenizers import Tokenizer
 
     from kvbroker.tools.serving import compare, models
 
     model = models.llama()
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    prompt = tokenizer.encode(args.prompt)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))  # the servers' own tokenizer, without transformers
+    prompt = tokenizer.encode(args.prompt).ids
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvbroker-sglang-demo-"))
     labels = [f"kvbroker-{args.engine}", "mooncake"]
     print(f"model {model} (random weights); logs in {log_dir}", flush=True)
