@@ -2,7 +2,17 @@
 # Sets up kvbroker and runs `kvbroker demo`: a prefill and a decode broker, one MiniMax-M3-shaped
 # request moved through NIXL and verified to the byte. Extra arguments go to the demo
 # (e.g. --preset large, --backend mooncake).
+#
+# With --sglang first: the real PD deployment instead (SGLang 0.5.23's router, a prefill and a
+# decode server, a kvbroker broker per server; a tiny Llama built locally), one request, its answer
+# and time to first token beside SGLang's own mooncake backend (kvbroker/tools/serving/demo.py;
+# extra arguments go to it, e.g. --engine mooncake). It installs SGLang with the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--sglang" ]]; then
+    shift
+    scripts/setup.sh --test
+    exec scripts/in-netns.sh .venv/bin/python -m kvbroker.tools.serving.demo "$@"
+fi
 scripts/setup.sh
 exec scripts/in-netns.sh .venv/bin/kvbroker demo "$@"

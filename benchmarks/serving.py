@@ -1,0 +1,142 @@
+"""Time to first token and requests/s through real SGLang 0.5.23 PD servers: kvbroker beside SGLang's
+own mooncake backend, in one run, on the same prompts; and the timeline of one kvbroker request.
+
+    scripts/in-netns.sh .venv/bin/python benchmarks/serving.py [--out FILE] [--engines nixl,mooncake]
+
+Each deployment is SGLang's router over a prefill and a decode server (tiny Llama, random weights,
+built locally; kvbroker/tools/serving) started one after another and all kept up; kvbroker's have
+a broker per server. TTFT: the same prompts sent to each deployment in turn, one request at a time
+(so load on the machine falls on all alike), streamed, greedy; the time from sending the request to
+the first streamed token. Requests/s: a batch sent at once to one deployment, then the next. Then,
+with the trace on (KVBROKER_SERVING_TRACE, kvbroker/tools/serving/trace.py), a kvbroker request's
+steps as each process logged them, in ms from the router post. JSON to --out, a summary on stdout.
+The target (not a test): kvbroker's median TTFT <= 1.2x mooncake's on the Llama shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_RATIO = 1.2
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+def timeline(events: list[dict], post_t: float, room: str) -> list[dict]:
+    """The traced events of one request (its room), in ms from the router post."""
+    mine = [e for e in events if room in e["key"].split(",") and e["t"] >= post_t - 1]
+    return [{"ms": round((e["t"] - post_t) * 1000, 2), "event": e["event"], "pid": e["pid"],
+             **{k: v for k, v in e.items() if k not in ("t", "event", "pid", "key")}} for e in mine]
+
+
+async def traced_request(http, url: str, prompt: list[int], tokens: int, trace_dir: Path) -> dict:
+    from kvbroker.tools.serving import client, trace
+
+    before = {e["key"] for e in trace.read(trace_dir) if e["event"] == "decode.send_metadata"}
+    post_t = time.time()
+    answer = await client.generate(http, url, prompt, tokens)
+    events = trace.read(trace_dir)
+    rooms = [e["key"] for e in events if e["event"] == "decode.send_metadata" and e["key"] not in before]
+    if len(rooms) != 1:
+        return {"error": f"expected one new room in the trace, found {rooms}"}
+    steps = timeline(events, post_t, rooms[0])
+    steps.insert(0, {"ms": 0.0, "event": "router.post"})
+    steps.append({"ms": round(answer.ttft_s * 1000, 2), "event": "client.first_token"})
+    return {"room": rooms[0], "ttft_ms": round(answer.ttft_s * 1000, 2), "steps": sorted(steps, key=lambda s: s["ms"])}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    import aiohttp
+
+    from kvbroker.tools.serving import client, compare, models
+
+    model = models.llama()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvbroker-serving-bench-"))
+    trace_dir = log_dir / "trace"
+    os.environ["KVBROKER_SERVING_TRACE"] = str(trace_dir)
+    labels = [f"kvbroker-{e}" for e in args.engines.split(",") if e] + ["mooncake"]
+    prompts = client.prompts(args.requests, args.prompt_tokens, seed=2026)
+    batch = client.prompts(args.batch, args.prompt_tokens, seed=2027)
+    load_before = os.getloadavg()
+    started_at, commit = time.time(), _git_commit()
+    async with compare.deployments(model, log_dir, labels) as deployments, aiohttp.ClientSession() as http:
+        urls = {label: d.url for label, d in deployments.items()}
+        series = await compare.interleaved_ttft(http, urls, prompts, args.tokens)
+        rates = {label: await compare.throughput(http, url, batch, args.tokens) for label, url in urls.items()}
+        timelines = {label: await traced_request(http, urls[label], prompts[0], args.tokens, trace_dir)
+                     for label in labels if label.startswith("kvbroker")}
+    same = all(series[label].answers == series["mooncake"].answers for label in labels)
+    moon = series["mooncake"].median_ms
+    ttft = {label: {"median_ms": round(s.median_ms, 2),
+                    "p90_ms": round(sorted(s.ttft_s)[int(0.9 * (len(s.ttft_s) - 1))] * 1000, 2),
+                    "mean_ms": round(statistics.mean(s.ttft_s) * 1000, 2),
+                    "samples_ms": [round(t * 1000, 2) for t in s.ttft_s]} for label, s in series.items()}
+    ratios = {label: round(series[label].median_ms / moon, 3) for label in labels if label != "mooncake"}
+    return {
+        "what": "TTFT and requests/s through SGLang 0.5.23 PD servers (router, prefill, decode): kvbroker "
+                "beside SGLang's mooncake backend, same prompts, one run",
+        "commit": commit, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at)),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_before": [round(x, 2) for x in load_before],
+                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+        "model": {"path": str(model), "shape": "Llama: 2 layers, hidden 128, 4 heads, 2 KV heads, head_dim 32, "
+                  "float32, random weights"},
+        "workload": {"prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "ttft_requests": args.requests,
+                     "batch": args.batch, "greedy": True, "stream": True},
+        "timing": "TTFT: perf_counter from sending POST /generate to the router to the first streamed chunk with "
+                  "a token; deployments interleaved request by request, two warm-up requests each first. "
+                  "requests/s: the batch sent at once, wall time until the last answer.",
+        "same_tokens_on_every_backend": same,
+        "ttft": ttft,
+        "ttft_median_ratio_vs_mooncake": ratios,
+        "target": {"kvbroker median TTFT / mooncake's": f"<= {TARGET_RATIO}",
+                   "met": {label: r <= TARGET_RATIO for label, r in ratios.items()}},
+        "throughput": rates,
+        "timeline": timelines,
+        "log_dir": str(log_dir),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="JSON file (default: benchmarks/out/serving-<time>.json)")
+    parser.add_argument("--engines", default="nixl", help="the brokers' engines to run, comma-separated")
+    parser.add_argument("--requests", type=int, default=20, help="TTFT requests per deployment")
+    parser.add_argument("--prompt-tokens", type=int, default=200)
+    parser.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
+    parser.add_argument("--batch", type=int, default=32, help="requests sent at once for requests/s")
+    parser.add_argument("--log-dir")
+    args = parser.parse_args(argv)
+    result = asyncio.run(run(args))
+    out = Path(args.out or f"benchmarks/out/serving-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for label, t in result["ttft"].items():
+        rate = result["throughput"][label]
+        print(f"{label:>18}: TTFT median {t['median_ms']:.1f} ms, p90 {t['p90_ms']:.1f} ms; "
+              f"{rate['requests_per_s']:.2f} req/s ({rate['requests']} at once)")
+    for label, ratio in result["ttft_median_ratio_vs_mooncake"].items():
+        print(f"{label} / mooncake median TTFT: {ratio:.2f}x (target <= {TARGET_RATIO}x: "
+              f"{'met' if ratio <= TARGET_RATIO else 'missed'})")
+    print(f"same tokens on every backend: {result['same_tokens_on_every_backend']}; JSON: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

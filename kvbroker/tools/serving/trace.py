@@ -1,0 +1,142 @@
+"""Opt-in timestamps of one request's steps, from every process it crosses: for the serving benchmark's
+timeline (where kvbroker's milliseconds go). Nothing of the daemon or the plugin changes: with
+KVBROKER_SERVING_TRACE=<dir> the site dir's sitecustomize calls `install()` in each server and broker
+process, which wraps the functions below as their modules are imported (patches.after_import) and
+appends one JSON line per call, `{"t": unix seconds, "pid", "event", "key", ...}`, to `<dir>/<pid>.jsonl`.
+`key` is the request: SGLang's bootstrap room, which the plugin uses as the broker's request id.
+
+Events, in a request's order:
+    decode.send_metadata      decode's receiver sends its metadata (KvbrokerKVReceiver.send_metadata)
+    client.expect_transfer    decode's ExpectTransfer call, begin and end (BrokerClient.expect_transfer)
+    broker.expect             decode broker: the grant accepted (Receiver.expect)
+    broker.offer              prefill broker: decode's offer received (PartSender.receive_offer)
+    prefill.metadata          prefill's KV manager takes decode's metadata frame (KvbrokerKVManager._on_metadata)
+    client.transfer_part      each part's Transfer call on prefill, begin and end (BrokerClient.transfer_part)
+    broker.part               prefill broker: each part written and noticed, begin and end (PartSender.send_part)
+    broker.notice             decode broker: part notices taken (Receiver.take_notices)
+    decode.status             decode's receiver: its poll() state, each time it changes (KvbrokerKVReceiver.poll)
+
+`read(dir)` gathers every process's lines, sorted by time.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from kvbroker.tools.serving.patches import after_import
+
+_lock = threading.Lock()
+_file = None
+
+
+def _emit(event: str, key, **fields) -> None:
+    global _file
+    line = json.dumps({"t": time.time(), "pid": os.getpid(), "event": event, "key": str(key), **fields},
+                      default=str)
+    with _lock:
+        if _file is None:
+            directory = Path(os.environ["KVBROKER_SERVING_TRACE"])
+            directory.mkdir(parents=True, exist_ok=True)
+            _file = open(directory / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115  the process's
+        _file.write(line + "\n")
+
+
+def _wrap(cls, name: str, event: str, key, *, span: bool = False, fields=None) -> None:
+    """Wrap `cls.name`: an event at each call (with `span`, one at its begin and one at its end);
+    `key(args, kwargs)` names the request, `fields(args, kwargs)` adds to the line."""
+    original = getattr(cls, name)
+
+    def note(phase, args, kwargs):
+        try:
+            extra = fields(args, kwargs) if fields else {}
+            _emit(event, key(args, kwargs), **({"phase": phase} if span else {}), **extra)
+        except Exception as exc:  # a trace never breaks the request it watches
+            _emit("trace.error", "", where=event, error=repr(exc))
+
+    if inspect.iscoroutinefunction(original):
+        @functools.wraps(original)
+        async def traced(*args, **kwargs):
+            note("begin", args, kwargs)
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                if span:
+                    note("end", args, kwargs)
+    else:
+        @functools.wraps(original)
+        def traced(*args, **kwargs):
+            note("begin", args, kwargs)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if span:
+                    note("end", args, kwargs)
+    setattr(cls, name, traced)
+
+
+def _arg(position: int, name: str):
+    def get(args, kwargs):
+        return kwargs[name] if name in kwargs else args[position]
+    return get
+
+
+def _plugin(module) -> None:
+    receiver, manager = module.KvbrokerKVReceiver, module.KvbrokerKVManager
+    _wrap(receiver, "send_metadata", "decode.send_metadata", lambda a, k: a[0].bootstrap_room)
+    _wrap(manager, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
+          fields=lambda a, k: {"decode_prefix_len": a[1].decode_prefix_len})
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    seen: dict[int, object] = {}
+    original = receiver.poll
+
+    @functools.wraps(original)
+    def poll(self):
+        state = original(self)
+        room = self.bootstrap_room
+        if seen.get(room) != state:
+            seen[room] = state
+            _emit("decode.status", room, state=names.get(state, str(state)))
+        return state
+
+    receiver.poll = poll
+
+
+def _client(module) -> None:
+    request_id = _arg(2, "request_id")
+    _wrap(module.BrokerClient, "expect_transfer", "client.expect_transfer", request_id, span=True)
+    _wrap(module.BrokerClient, "transfer_part", "client.transfer_part", request_id, span=True,
+          fields=lambda a, k: {"last": k.get("last", True)})
+
+
+def _broker_receiver(module) -> None:
+    _wrap(module.Receiver, "expect", "broker.expect", lambda a, k: a[1].request_id)
+    _wrap(module.Receiver, "take_notices", "broker.notice", lambda a, k: ",".join(n.request_id for n in a[2]),
+          fields=lambda a, k: {"parts": [n.part for n in a[2]]})
+
+
+def _broker_sender(module) -> None:
+    _wrap(module.PartSender, "receive_offer", "broker.offer", lambda a, k: a[2].request_id)
+    _wrap(module.PartSender, "send_part", "broker.part", lambda a, k: a[1].request_id, span=True)
+
+
+def install() -> None:
+    after_import("kvbroker_sglang.conn", _plugin)
+    after_import("kvbroker_client.client", _client)
+    after_import("kvbroker.receiver", _broker_receiver)
+    after_import("kvbroker.part_sender", _broker_sender)
+
+
+def read(directory: Path) -> list[dict]:
+    """Every process's events, oldest first."""
+    events = []
+    for path in Path(directory).glob("*.jsonl"):
+        events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(events, key=lambda e: e["t"])

@@ -1,0 +1,164 @@
+"""SGLang 0.5.23 prefill and decode servers, SGLang's router and a kvbroker broker per server, on each
+transfer engine of the brokers: every answer's greedy tokens equal the non-PD reference server's.
+
+Each token after the first is computed by decode from the KV cache it received, so a page missing,
+misplaced or stale changes the tokens. Prefill runs with --chunked-prefill-size 64: a prompt of n
+tokens reaches decode in ceil(n / 64) parts. After every case both servers still serve and both
+brokers hold nothing (conftest.settled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from kvbroker.tools.serving import client, stack
+from tests.servers.conftest import ANSWER_TOKENS, CHUNK_TOKENS, settled, start_stack, until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+ENGINES = ["nixl", "mooncake"]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session", params=ENGINES)
+async def pd(request, model, log_root, reference):
+    deployment = await start_stack(model, log_root / f"pd-{request.param}", request.param)
+    yield deployment
+    await deployment.stop()
+
+
+async def test_greedy_tokens_equal_the_reference_servers(pd, reference, http):
+    for length in (5, 63, 64, 65, 200):
+        prompt = client.prompts(1, length, seed=length)[0]
+        answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+        assert answer.output_ids == await reference.answer(prompt), f"prompt of {length} tokens"
+    await settled(pd, reference, http)
+
+
+async def test_32_concurrent_requests(pd, reference, http):
+    prompts = client.prompts(32, 90, seed=32)
+    answers = await asyncio.gather(*(client.generate(http, pd.url, p, ANSWER_TOKENS) for p in prompts))
+    expected = [await reference.answer(p) for p in prompts]
+    wrong = [i for i, (a, e) in enumerate(zip(answers, expected)) if a.output_ids != e]
+    assert not wrong, f"requests {wrong} answered other tokens than the reference"
+    await settled(pd, reference, http)
+
+
+async def test_long_prompt_in_many_parts(pd, reference, http):
+    prompt = client.prompts(1, 40 * CHUNK_TOKENS + 17, seed=41)[0]  # 41 parts
+    answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+    assert answer.output_ids == await reference.answer(prompt)
+    await settled(pd, reference, http)
+
+
+async def test_request_whose_prefix_decode_holds(pd, reference, http):
+    first = client.prompts(1, 3 * CHUNK_TOKENS, seed=7)[0]
+    await client.generate(http, pd.url, first, ANSWER_TOKENS)
+    longer = first + client.prompts(1, 50, seed=8)[0]
+    answer = await client.generate(http, pd.url, longer, ANSWER_TOKENS)
+    assert answer.meta.get("cached_tokens", 0) > 0, f"decode found no prefix: {answer.meta}"
+    assert answer.output_ids == await reference.answer(longer)
+    await settled(pd, reference, http)
+
+
+async def test_client_that_disconnects_after_bootstrap(pd, reference, http):
+    """The first token came back (decode holds the KV; the transfer is done), then the client goes."""
+    prompt = client.prompts(1, 130, seed=51)[0]
+    ids = await client.first_token_then_drop(http, pd.url, prompt, max_new_tokens=200)
+    assert ids[:1] == (await reference.answer(prompt))[:1]
+    await settled(pd, reference, http)
+
+
+async def test_client_that_disconnects_before_bootstrap(pd, reference, http):
+    """Decode paused in place ingests requests but sends no metadata: prefill holds the request in its
+    bootstrap queue, unbootstrapped, when the client goes; then decode resumes."""
+    prompt = client.prompts(1, 130, seed=52)[0]
+    received = _received(pd.prefill)
+    await _post(http, pd.decode.url + "/pause_generation", {"mode": "in_place"})
+    try:
+        request = asyncio.ensure_future(client.generate(http, pd.url, prompt, ANSWER_TOKENS))
+
+        async def prefill_has_it():  # no event says so; --log-requests logs each request prefill took
+            return _received(pd.prefill) > received
+
+        assert await until(prefill_has_it, timeout=60), "prefill never received the request"
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+    finally:
+        await _post(http, pd.decode.url + "/continue_generation", {})
+    await settled(pd, reference, http)
+
+
+async def test_decode_broker_restarted_between_requests(pd, reference, http):
+    await _restart_then_ask(pd, reference, http, "decode", seed=72)
+
+
+async def _restart_then_ask(pd, reference, http, side: str, seed: int) -> None:
+    await pd.restart_broker(side)
+    prompt = client.prompts(1, 100, seed=seed)[0]
+    try:
+        answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+        assert answer.output_ids == await reference.answer(prompt), f"after the {side} broker restarted"
+    finally:
+        async def registered():  # the server's engine is back on its broker (at once, once the bug is fixed)
+            return (await stack.broker_holds(pd.brokers[side]))["engines"] == 1
+
+        await until(registered, timeout=120)
+        await settled(pd, reference, http)
+
+
+async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
+    """Prefill paused in place after its first part landed holds the transfer half done (it computes no
+    further chunk) while decode is killed; prefill resumes into a grant whose server is gone, and
+    decode is started again. (A paused server fails /health after 20 s, so the router takes it back
+    only once it resumed: decode starts after that.)"""
+    prompt = client.prompts(1, 40 * CHUNK_TOKENS, seed=61)[0]  # 40 parts
+    before = await stack.broker_holds(pd.brokers["prefill"])
+    request = asyncio.ensure_future(client.generate(http, pd.url, prompt, ANSWER_TOKENS))
+
+    async def transferring():
+        now = await stack.broker_holds(pd.brokers["prefill"])
+        return request.done() or now["transferring"] > before["transferring"]
+
+    assert await until(transferring, timeout=120), "the prefill broker never started the transfer"
+    await _post(http, pd.prefill.url + "/pause_generation", {"mode": "in_place"})
+    try:
+        held = await stack.broker_holds(pd.brokers["prefill"])
+        assert held["live_requests"] > 0 and held["succeeded"] == before["succeeded"], \
+            f"the transfer ended before decode was killed; nothing was cut: {held}"
+        await pd.decode.kill()
+    finally:
+        await _post(http, pd.prefill.url + "/continue_generation", {})
+    with contextlib.suppress(Exception):  # cut with its decode server: it fails, however the router says it
+        await asyncio.wait_for(request, 120)
+    await pd.start_decode()
+    await settled(pd, reference, http)
+    answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)  # the same request, again
+    assert answer.output_ids == await reference.answer(prompt)
+    await settled(pd, reference, http)
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
+    async with http.post(url, json=body) as response:
+        assert response.status == 200, f"POST {url}: HTTP {response.status}: {await response.text()}"
+
+
+def _received(server: stack.ServerProcess) -> int:
+    """Requests the server's log says it received, the router's health checks aside."""
+    return sum(1 for line in server.log_path.read_text(errors="replace").splitlines()
+               if "Receive: obj=GenerateReqInput(" in line and "HEALTH_CHECK" not in line)
+
+
+# The plugin's client registers its engine again only at its next call to the broker, and after a
+# prefill broker restart the next call is decode's offer, which that broker refuses (NOT_FOUND: no
+# engine registered) before prefill calls at all: the first request after the restart fails.
+@pytest.mark.xfail(strict=True, reason="issue 20 report: prefill's engine is registered again only lazily")
+async def test_prefill_broker_restarted_between_requests(pd, reference, http):
+    """Last of its deployment's cases: while the bug stands, the prefill engine comes back only when
+    prefill next calls its broker (at the latest when the failed request's bootstrap times out)."""
+    await _restart_then_ask(pd, reference, http, "prefill", seed=71)
