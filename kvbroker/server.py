@@ -37,8 +37,9 @@ from kvbroker.edge.admission import Admission, PeerReads, RequestLimits
 from kvbroker.edge.peer_service import PeerServicer
 from kvbroker.edge.service import BrokerServicer
 from kvbroker.edge.tls import PeerTls
-from kvbroker.edge.trust import PeerGate
+from kvbroker.edge.trust import PeerCalls, PeerGate
 from kvbroker.flows.broker import Broker, Limits
+from kvbroker.flows.offers import OfferQuota
 from kvbroker.ops.metrics import Metrics
 from kvbroker.ops.trim import MemoryTrim
 from kvbroker.peers.clients import PeerClients
@@ -216,9 +217,11 @@ class BrokerServer:
     async def startup(self) -> Endpoints:
         s = self.settings
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
+        quota = OfferQuota(s.max_offers, s.max_offers_per_peer, s.max_offer_pages, s.max_offer_pages_per_peer,
+                           s.max_offer_bytes, s.max_offer_bytes_per_peer)
         limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
                         s.transfer_timeout_s, s.peer_rpc_timeout_s, s.offer_wait_s, s.max_offers, s.max_aux_bytes,
-                        s.max_parts_per_request, s.max_engines)
+                        s.max_parts_per_request, s.max_engines, quota)
         epoch = new_epoch()
         server_credentials, tls = peer_credentials(s)
         log.info("open-file limit %d", raise_fd_limit())
@@ -243,7 +246,8 @@ class BrokerServer:
         broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()
         self.broker, self._peers = broker, peers
-        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker, gate), peer_server)
+        calls = PeerCalls(s.max_peer_calls, s.max_peer_calls_per_peer)
+        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker, gate, calls), peer_server)
         if not s.peer_tls_ca and peer_listen.rpartition(":")[0] not in ("127.0.0.1", "[::1]", "localhost"):
             log.warning("the peer port %s accepts brokers it cannot authenticate; set peer_tls_cert, "
                         "peer_tls_key and peer_tls_ca for mutual TLS", peer_listen)

@@ -18,7 +18,7 @@ from kvbroker.backends.base import TransferFailed
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
 from kvbroker.edge.codes import translate_errors
-from kvbroker.edge.trust import PeerGate, PeerIdentity
+from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine
 from kvbroker.peers.notifier import MAX_BATCH
@@ -29,24 +29,30 @@ REVOKE_ANSWER_MARGIN_S = 0.5  # what RevokeOffer keeps of its deadline for the a
 
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
-    def __init__(self, broker: Broker, gate: PeerGate) -> None:
+    def __init__(self, broker: Broker, gate: PeerGate, calls: PeerCalls | None = None) -> None:
         self._broker = broker
         self._gate = gate
+        self._calls = calls if calls is not None else PeerCalls(1 << 30, 1 << 30)
 
-    def _caller(self, request, context) -> PeerIdentity:
-        """Who calls, admitted; else PERMISSION_DENIED."""
-        identity = self._gate.identify(request.broker_id, context.auth_context())
-        if not self._gate.admits(identity):
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"broker_id: peer {identity.name[:128]!r} is not admitted by this broker's peer_allow")
+    def _caller(self, request, context, *, hide_as_engine: str | None = None) -> PeerIdentity:
+        """Who calls, admitted (else PERMISSION_DENIED, or with `hide_as_engine` the answer an unknown
+        engine gets), and within its share of the calls served at once (RESOURCE_EXHAUSTED)."""
+        try:
+            identity = self._gate.identify(request.broker_id, context.auth_context())
+            if not self._gate.admits(identity):
+                raise BrokerError(Code.PERMISSION_DENIED, f"broker_id: peer {identity.name[:128]!r} is not admitted "
+                                                          "by this broker's peer_allow")
+        except BrokerError:
+            if hide_as_engine is not None:
+                raise unknown_engine(hide_as_engine) from None
+            raise
+        self._calls.enter(identity.name)
+        context.add_done_callback(lambda _: self._calls.leave(identity.name))
         return identity
 
     @translate_errors
     async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
-        try:
-            self._caller(request, context)
-        except BrokerError:
-            raise unknown_engine(request.engine_id) from None
+        self._caller(request, context, hide_as_engine=request.engine_id)
         backend = self._broker.backend
         if request.backend != backend.name:
             raise BrokerError(Code.FAILED_PRECONDITION,
@@ -89,6 +95,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
         identity = self._caller(request, context)
         if request.sender_engine_id:
             self._broker.registry.get(request.sender_engine_id)  # ids before page arrays
+        self._broker.admit_offer(identity, sum(len(p.page_ids) for p in request.pages))  # quotas, too
         offer = convert.grant_offer_in(request, self._broker.limits.max_pages_per_request)
         self._broker.receive_offer(identity, offer, request.epoch)
         return ppb.OfferGrantResponse(broker_id=self._broker.broker_id, epoch=self._broker.epoch)

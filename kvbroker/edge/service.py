@@ -76,9 +76,10 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
         """The claimed flow when the request names the receiver (peer_address), else the offered flow."""
         if request.peer_address or request.remote_engine_id:
-            if request.pages or request.more_parts or request.aux:
+            if request.pages or request.more_parts or request.aux or request.receiver_broker_id:
                 raise invalid("pages: the claimed flow (peer_address set) takes components and src_page_ids; "
-                              "pages, more_parts and aux belong to the offered flow (peer_address empty)")
+                              "pages, more_parts, aux and receiver_broker_id belong to the offered flow "
+                              "(peer_address empty)")
             command = TransferCommand(
                 request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
                 convert.components_in(request.components), convert.page_ids_in(request.src_page_ids),
@@ -96,7 +97,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
                 ids = convert.page_ids_in(request.src_page_ids)
                 pages = [(kind, ids, 0) for kind in convert.components_in(request.components)]
             command = PartCommand(request.request_id, request.engine_id, tuple(pages), not request.more_parts,
-                                  request.aux)
+                                  request.aux, request.receiver_broker_id)
             status = await self._broker.send_part(command, context.time_remaining())
         return bpb.TransferResponse(status=convert.status_out(status))
 

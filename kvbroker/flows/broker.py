@@ -30,7 +30,7 @@ from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code, not_found
 from kvbroker.core.model import Component, EngineSpec, TransferState
 from kvbroker.edge.trust import PeerIdentity
-from kvbroker.flows.offers import Offer
+from kvbroker.flows.offers import Offer, OfferQuota
 from kvbroker.flows.part_sender import PartCommand, PartSender
 from kvbroker.flows.receiver import GrantCommand, Receiver
 from kvbroker.flows.registry import Engine, Registry
@@ -57,6 +57,7 @@ class Limits:
     max_aux_bytes: int = 65536
     max_parts_per_request: int = 4096
     max_engines: int = 1024
+    offer_quota: OfferQuota = OfferQuota()  # its max_offers is the one above
 
 
 class Broker:
@@ -70,7 +71,7 @@ class Broker:
         self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
         self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
-        self.parts = PartSender(self.registry, self.table, backend, peers, limits)
+        self.parts = PartSender(self.registry, self.table, backend, peers, limits, broker_id, peer_address)
         self.receiver = Receiver(self.registry, self.table, peers, limits, peer_address)
         self.accepting = True
         self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
@@ -211,6 +212,11 @@ class Broker:
 
     def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
         return self.receiver.take_notices(identity, notices)
+
+    def admit_offer(self, identity: PeerIdentity, pages: int) -> None:
+        """Whether an offer of `pages` page ids fits this peer's quotas and the total, before it is built."""
+        self._check_accepting()
+        self.parts.admit_offer(identity, pages)
 
     def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
         self._check_accepting()

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,6 +63,7 @@ class PartCommand:
     pages: tuple[tuple[Component, np.ndarray, int], ...]  # (component, source pages, dst_offset)
     last: bool
     aux: bytes = b""
+    receiver_id: str = ""  # the receiving broker whose offer the part is for; empty: the one offer there is
 
 
 class _Refused(Exception):
@@ -101,13 +102,15 @@ def _ended_error(record: TransferRecord) -> BrokerError:
 
 class PartSender:
     def __init__(self, registry: Registry, table: TransferTable, backend: Backend, peers: PeerLink,
-                 limits: Limits) -> None:
+                 limits: Limits, broker_id: str = "", peer_address: str = "") -> None:
+        self._broker_id = broker_id  # ours: an offer from ourselves is refused
+        self._peer_address = peer_address
         self._registry = registry
         self._table = table
         self._backend = backend
         self._peers = peers
         self._limits = limits
-        self.offers = OfferBook(limits.max_offers, on_expired=self._expired)
+        self.offers = OfferBook(replace(limits.offer_quota, max_offers=limits.max_offers), on_expired=self._expired)
         self._tasks: set[asyncio.Task] = set()
 
     def _own(self, coro, name: str) -> asyncio.Task:
@@ -118,8 +121,22 @@ class PartSender:
 
     # offers in
 
+    def admit_offer(self, identity: PeerIdentity, pages: int) -> None:
+        """Whether an offer of `pages` page ids from this peer fits its quotas, before it is built."""
+        self._refuse_own(identity, "")
+        self.offers.admit(identity.name, pages)
+
+    def _refuse_own(self, identity: PeerIdentity, address: str) -> None:
+        """A broker never writes into its own engines through a peer handshake: no offer from itself."""
+        if identity.name == self._broker_id or (address and address == self._peer_address):
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"broker_id: an offer from {identity.name[:128]!r} at {address[:128] or 'its address'} "
+                              "names this broker itself as the receiver; a broker never writes into its own "
+                              "engines through a peer")
+
     def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
         """Keep an offer; refused (and nothing kept) when it cannot be written here."""
+        self._refuse_own(identity, offer.peer_address)
         if offer.remaining_s > self._limits.max_grant_expiry_s:
             raise invalid(f"remaining_ms: {offer.remaining_s * 1000:.0f} exceeds this broker's limit of "
                           f"{self._limits.max_grant_expiry_s * 1000:.0f} (max_grant_expiry_s)")
@@ -133,13 +150,44 @@ class PartSender:
                      offer.sender_engine_id, offer.granted, offer.token, offer.generation,
                      loop.time() + offer.remaining_s)
         self.offers.add(held)
-        if engine is not None:
+        if engine is not None and not self._held_by_rival(engine.engine_id, offer.request_id):
             try:
                 self._attach(held, engine.engine_id)
             except BrokerError:
                 self.offers.end(held, precondition("offer refused"))
                 raise
         self._own(self._prefetch(held), f"handshake ahead {offer.request_id}")
+
+    def _held_by_rival(self, engine_id: str, request_id: str) -> bool:
+        """Whether the engine's live record of the request feeds another receiver's offer (which a
+        part naming this one's receiver may still take it from)."""
+        record = self._table.find(engine_id, request_id)
+        return record is not None and not record.state.terminal and isinstance(record.offer, Offer)
+
+    def _record_for(self, offer: Offer, engine_id: str) -> TransferRecord:
+        """The sender record the offer a part took feeds: its own, the engine's record taken over from
+        another receiver's offer no part has written yet, or a new one. The other receivers' offers
+        of the request for this engine end: the part chose its receiver."""
+        record = offer.record
+        if record is None:
+            held = self._table.find(engine_id, offer.request_id)
+            if held is not None and not held.state.terminal and isinstance(held.offer, Offer):
+                rival = held.offer
+                if rival.next_part:
+                    raise _Refused(precondition(
+                        f"receiver_broker_id: request {offer.request_id!r} is being sent to "
+                        f"{rival.receiver_id!r} already; a part for {offer.receiver_id!r} cannot join it"))
+                rival.record, held.offer, offer.record, held.peer = None, offer, held, offer.receiver_address
+                record = held
+            else:
+                record = self._attach(offer, engine_id)
+        for rival in self.offers.rivals(offer):
+            self.offers.end(rival, precondition(f"request {offer.request_id!r}: the sender's part is for another "
+                                                "receiver"))
+            self._own(self._tell_failed(rival, int(Code.FAILED_PRECONDITION),
+                                        "the sender's part named another receiver for this request"),
+                      f"rival offer {offer.request_id}")
+        return record
 
     def _attach(self, offer: Offer, engine_id: str) -> TransferRecord:
         record = self._table.add_send(engine_id, offer.request_id, offer.components, peer=offer.receiver_address)
@@ -269,7 +317,10 @@ class PartSender:
     async def _offer(self, job: _Part) -> tuple[Offer, TransferRecord]:
         """The offer this part writes into: held already, or waited for up to offer_wait_s."""
         cmd = job.cmd
-        offer = self.offers.find(cmd.request_id, cmd.engine_id)
+        try:
+            offer = self.offers.find(cmd.request_id, cmd.engine_id, cmd.receiver_id)
+        except BrokerError as exc:
+            raise _Refused(exc) from None
         if offer is None:
             record = self._table.find(cmd.engine_id, cmd.request_id)
             if record is not None and record.role is TransferRole.SENDER:
@@ -279,11 +330,12 @@ class PartSender:
                     raise BrokerError(Code.ALREADY_EXISTS, f"request_id: request {cmd.request_id!r} is already in "
                                                            f"flight on engine {cmd.engine_id!r} (the claimed flow)")
         try:
-            offer = await self.offers.take(cmd.request_id, cmd.engine_id, min(self._limits.offer_wait_s, job.left()))
+            offer = await self.offers.take(cmd.request_id, cmd.engine_id, min(self._limits.offer_wait_s, job.left()),
+                                           cmd.receiver_id)
         except BrokerError as exc:
             raise _Refused(exc) from None
+        record = self._record_for(offer, cmd.engine_id)
         job.offer = offer
-        record = offer.record if offer.record is not None else self._attach(offer, cmd.engine_id)
         job.record = record
         if record.state.terminal:
             raise _Refused(_ended_error(record))
@@ -292,10 +344,10 @@ class PartSender:
     async def _session_for(self, offer: Offer, timeout: float) -> PeerSession:
         """The receiver's engine; a cached handshake from another epoch or generation than the
         offer's is refreshed. The broker there must be the one that offered."""
-        address, engine_id = offer.receiver_address, offer.engine_id
-        session = await self._peers.session(address, engine_id, refresh=False, timeout=timeout)
+        address, engine_id, expect = offer.receiver_address, offer.engine_id, offer.receiver_id
+        session = await self._peers.session(address, engine_id, refresh=False, timeout=timeout, expect=expect)
         if (session.epoch, session.generation) != (offer.receiver_epoch, offer.generation):
-            session = await self._peers.session(address, engine_id, refresh=True, timeout=timeout)
+            session = await self._peers.session(address, engine_id, refresh=True, timeout=timeout, expect=expect)
         if session.broker_id != offer.receiver_id:
             raise BrokerError(Code.ABORTED, f"the broker at {address} is {session.broker_id!r}, not "
                                             f"{offer.receiver_id!r} that offered grant {offer.request_id!r}")

@@ -48,7 +48,7 @@ from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
 
-_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
+_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate|verification check", re.IGNORECASE)
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
 
 
@@ -80,8 +80,10 @@ class PeerClients:
         self._options = list(channel_options)
         self._credentials = credentials  # the current TLS credentials and their generation (tls.PeerTls)
         self._rpc_timeout_s = rpc_timeout_s
-        # per peer address: the channel, its stub, the generation of the credentials it was made with
-        self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub, int]] = {}
+        # per (peer address, the identity its certificate must name; "": the host dialled, or
+        # peer_tls_server_name): the channel, its stub, the generation of the credentials it was made with
+        self._channels: dict[tuple[str, str], tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub, int]] = {}
+        self._verified: set[tuple[str, str]] = set()  # (address, identity): a TLS handshake proved it
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
@@ -90,22 +92,28 @@ class PeerClients:
         self._idle = IdlePeers(idle_s, busy=self._writing_through, forget=self._forget_idle)
         self.records: dict[str, PeerRecord] = {}
 
-    def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
-        """The address's channel; one made before the TLS files last changed is replaced (its calls
-        under way finish first), so that no reconnection presents a certificate that was rotated out."""
-        entry = self._channels.get(address)
+    def _stub(self, address: str, name: str = "") -> ppb_grpc.PeerServiceStub:
+        """The address's channel (under TLS, one per identity its server's certificate must name); one
+        made before the TLS files last changed is replaced (its calls under way finish first), so that
+        no reconnection presents a certificate that was rotated out."""
+        key = (address, name if self._credentials is not None else "")
+        entry = self._channels.get(key)
         if self._credentials is None:
             if entry is None:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
-                entry = self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel), 0)
+                entry = self._channels[key] = (channel, ppb_grpc.PeerServiceStub(channel), 0)
             return entry[1]
         generation, credentials = self._credentials()
         if entry is not None and entry[2] != generation:
-            self._close_channel(address, grace=self._rpc_timeout_s)
+            self._close_key(key, grace=self._rpc_timeout_s)
             entry = None
         if entry is None:
-            channel = grpc.aio.secure_channel(address, credentials, options=self._options)
-            entry = self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel), generation)
+            options = self._options
+            if name:  # TLS then refuses a server whose certificate does not name `name`
+                options = [o for o in options if o[0] != "grpc.ssl_target_name_override"]
+                options.append(("grpc.ssl_target_name_override", name))
+            channel = grpc.aio.secure_channel(address, credentials, options=options)
+            entry = self._channels[key] = (channel, ppb_grpc.PeerServiceStub(channel), generation)
         return entry[1]
 
     def _track(self, task: asyncio.Task) -> None:
@@ -124,7 +132,11 @@ class PeerClients:
             log.warning("transfer engine %s could not disconnect a peer: %s", self._backend.name, task.exception())
 
     def _close_channel(self, address: str, grace: float | None = None) -> None:
-        entry = self._channels.pop(address, None)
+        for key in [k for k in self._channels if k[0] == address]:
+            self._close_key(key, grace)
+
+    def _close_key(self, key: tuple[str, str], grace: float | None = None) -> None:
+        entry = self._channels.pop(key, None)
         if entry is not None:
             task = asyncio.get_running_loop().create_task(entry[0].close(grace))
             self._track(task)
@@ -135,9 +147,11 @@ class PeerClients:
         return [self._sessions.pop(k).peer_handle for k in [k for k in self._sessions if k[0] == address]]
 
     def forget(self, address: str) -> None:
-        """Drop what is cached of a peer; the next call reconnects and handshakes again."""
+        """Drop what is cached of a peer; the next call reconnects and handshakes again. The calls
+        still waiting on the old channel end by their own deadlines (each at most rpc_timeout_s),
+        never by this: one peer's silence fails each call that waits on it, not the calls beside it."""
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
-        self._close_channel(address)
+        self._close_channel(address, grace=self._rpc_timeout_s + 1.0)
 
     def _writing_through(self, address: str) -> bool:
         """Whether the transfer engine writes through one of the address's handles."""
@@ -148,20 +162,29 @@ class PeerClients:
         handles = self._pop_sessions(address) + self._parked.pop(address, [])
         self._disconnect(handles)
         self._close_channel(address)
+        self._verified = {v for v in self._verified if v[0] != address}
         record = self.records.pop(address, None)
         log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
                                                 "idle_s": round(idle, 3), "handshakes_given_back": len(handles)})
 
-    async def _rpc(self, address: str, method: str, request, timeout: float):
+    async def _rpc(self, address: str, method: str, request, timeout: float, name: str = ""):
         loop = asyncio.get_running_loop()
         timeout = max(timeout, 0.001)
         deadline = loop.time() + timeout
         self._idle.begin(address)
         try:
-            reply = await getattr(self._stub(address), method)(request, timeout=timeout, wait_for_ready=False)
+            reply = await getattr(self._stub(address, name), method)(request, timeout=timeout, wait_for_ready=False)
             if self._limits is not None and (refusal := self._limits.check_lists(reply)) is not None:
                 raise BrokerError(Code.RESOURCE_EXHAUSTED, f"peer broker {address}: {method} answer: {refusal.message}")
             return reply
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise
+            # grpc cancels the calls of a channel that closes under them: that is the peer's failure
+            # for this call to report, not a cancellation of the caller.
+            raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: {method}: the channel closed "
+                                                "before the answer") from None
         except grpc.aio.AioRpcError as exc:
             # DEADLINE_EXCEEDED is ours when our deadline passed; before it, the peer said it (an expired grant).
             silent = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() >= deadline - 0.001
@@ -176,23 +199,30 @@ class PeerClients:
         finally:
             self._idle.end(address)
 
-    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:
+    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float,
+                      expect: str = "") -> PeerSession:
         self._idle.begin(address)
         try:
-            return await self._session(address, engine_id, refresh, timeout)
+            session = await self._session(address, engine_id, refresh, timeout, expect)
         finally:
             self._idle.end(address)
+        if expect and session.broker_id != expect:
+            raise BrokerError(Code.PERMISSION_DENIED, f"peer broker {address}: answers as {session.broker_id!r}, "
+                                                      f"not {expect!r}")
+        return session
 
-    async def _session(self, address: str, engine_id: str, refresh: bool, timeout: float) -> PeerSession:
+    async def _session(self, address: str, engine_id: str, refresh: bool, timeout: float,
+                       expect: str) -> PeerSession:
         key = (address, engine_id)
-        if not refresh and key in self._sessions:
+        if not refresh and key in self._sessions and (not expect or self._sessions[key].broker_id == expect
+                                                      and (address, expect) in self._verified):
             return self._sessions[key]
         if key in self._pending:  # one handshake per key at a time; others wait for its result
             return await asyncio.shield(self._pending[key])
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         try:
-            session = await self._handshake(address, engine_id, timeout)
+            session = await self._handshake(address, engine_id, timeout, expect)
             future.set_result(session)
             return session
         except BaseException as exc:
@@ -202,19 +232,30 @@ class PeerClients:
         finally:
             del self._pending[key]
 
-    async def _handshake(self, address: str, engine_id: str, timeout: float) -> PeerSession:
+    async def _handshake(self, address: str, engine_id: str, timeout: float, expect: str = "") -> PeerSession:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:  # again only when the answer came from a process the peer has since replaced
-            session = await self._handshake_once(address, engine_id, deadline - loop.time())
+            session = await self._handshake_once(address, engine_id, deadline - loop.time(), expect)
             if session is not None:
                 return session
 
-    async def _handshake_once(self, address: str, engine_id: str, timeout: float) -> PeerSession | None:
+    async def _handshake_once(self, address: str, engine_id: str, timeout: float,
+                              expect: str = "") -> PeerSession | None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         request = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
                                        backend=self._backend.name)
         sent = next(self._sent)
-        reply = await self._rpc(address, "Handshake", request, timeout)
+        reply = await self._rpc(address, "Handshake", request, timeout, name=expect)
+        self._refuse_own(address, reply.broker_id, reply.backend_metadata)
+        if expect:
+            if reply.broker_id != expect:
+                raise BrokerError(Code.PERMISSION_DENIED, f"peer broker {address}: answers as {reply.broker_id!r}, "
+                                                          f"not {expect!r}")
+            self._verified.add((address, expect))  # dialled with the name: TLS checked it (or no TLS)
+        else:
+            await self._verify(address, reply.broker_id, deadline - loop.time())
         try:
             engine = convert.engine_layout_in(reply.engine)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
@@ -275,9 +316,44 @@ class PeerClients:
                                             f"for the grant") from None
 
     async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         reply = await self._rpc(address, "OfferGrant", convert.grant_offer_out(offer, self._broker_id, self._epoch),
                                 timeout)
+        self._refuse_own(address, reply.broker_id, b"")
+        await self._verify(address, reply.broker_id, deadline - loop.time())
         return reply.broker_id, reply.epoch
+
+    def _refuse_own(self, address: str, broker_id: str, metadata: bytes) -> None:
+        """A broker never writes into its own engines through a peer handshake: an answer in our own
+        name, or carrying our own transfer engine's metadata, is refused."""
+        if broker_id == self._broker_id or (metadata and self._backend.is_own(metadata)):
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"peer broker {address}: answers with this broker's own "
+                              f"{'broker id' if broker_id == self._broker_id else 'transfer engine metadata'}; "
+                              "a broker never writes into its own engines through a peer handshake")
+
+    async def _verify(self, address: str, name: str, timeout: float) -> None:
+        """Under peer TLS, that the broker at `address`, which answered as `name`, holds a certificate
+        naming `name`: one call on a channel dialled with that name (grpc's Python client cannot read
+        the server's certificate, but its TLS handshake refuses one that does not name the target).
+        Any answer but a TLS failure proves it; cached per (address, name). Without TLS an answer's
+        broker_id is the peer's claim, as ours is to it."""
+        if self._credentials is None or (address, name) in self._verified:
+            return
+        probe = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id="",
+                                     backend=self._backend.name)
+        try:
+            await self._stub(address, name).Handshake(probe, timeout=max(timeout, 0.001), wait_for_ready=False)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE.search(exc.details() or ""):
+                raise BrokerError(Code.PERMISSION_DENIED,
+                                  f"peer broker {address}: answers as {name[:128]!r}, but its certificate does not "
+                                  f"name it: {exc.details()}") from None
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: no answer dialled as {name[:128]!r}: "
+                                                    f"{exc.details()}") from None
+        self._verified.add((address, name))
 
     async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,
                      timeout: float) -> bool:
@@ -300,8 +376,8 @@ class PeerClients:
     async def close(self) -> None:
         await self.notifier.close()
         await self._idle.close(CLOSE_WAIT_S)
-        for address in list(self._channels):
-            self._close_channel(address)
+        for key in list(self._channels):
+            self._close_key(key)
         handles = [s.peer_handle for s in self._sessions.values()] + [h for p in self._parked.values() for h in p]
         self._sessions.clear()
         self._parked.clear()

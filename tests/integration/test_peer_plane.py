@@ -1,0 +1,231 @@
+"""The peer plane against peers that stall, flood or squat, on real brokers: a silent sender fails
+each call that waits on it with its own status (never the calls beside it), and ExpectTransfer
+answers only once its grant has ended, so the id can be tried again; offers are held to quotas per
+peer identity and in total, the broker's memory bounded while real offers are still taken; a flood
+of idle connections on the peer port leaves health and new transfers answering.
+
+The misbehaving peers are the test's own: a gRPC server that accepts PeerService calls and never
+answers them, raw PeerService clients, raw TCP connections."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import grpc
+import numpy as np
+import pytest
+import trustme
+
+from kvbroker.tools.shapes import CANARY
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_client.v1 import peer_service_pb2 as ppb
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from tests.conftest import assert_bytes, close_broker, close_brokers, open_broker
+from tests.integration.test_offered_flow import MAIN, expect_pages, offer, part, refusal, watch_all
+from tests.integration.test_peer_trust import Identity
+
+pytestmark = pytest.mark.integration
+
+
+class SilentPeer:
+    """A PeerService that takes every call and never answers it: counts the calls per method."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self._release = asyncio.Event()
+        self.server = grpc.aio.server()
+        self.address = ""
+
+    async def start(self) -> SilentPeer:
+        peer = self
+
+        class Handler(grpc.GenericRpcHandler):
+            def service(self, details):
+                method = details.method.rsplit("/", 1)[-1]
+
+                async def never(request, context):
+                    peer.calls[method] = peer.calls.get(method, 0) + 1
+                    await peer._release.wait()
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+                return grpc.unary_unary_rpc_method_handler(never)
+
+        self.server.add_generic_rpc_handlers([Handler()])
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        self._release.set()
+        await self.server.stop(0)
+
+
+@pytest.fixture
+async def silent():
+    peer = await SilentPeer().start()
+    yield peer
+    await peer.stop()
+
+
+@pytest.fixture(scope="module")
+async def quick_decode():
+    """A decode broker whose peer calls time out after 1 s (the default is 5 s)."""
+    broker = await open_broker("decode-quick", "nixl", "--peer-rpc-timeout-s", "1")
+    yield broker
+    await close_broker(broker)
+
+
+def expect_from(dst, address: str, request_id: str, pages) -> bpb.ExpectTransferRequest:
+    return bpb.ExpectTransferRequest(request_id=request_id, engine_id=dst.engine_id, expiry_ms=60_000,
+                                     pages=[pb.ComponentPages(component=MAIN, page_ids=pages)],
+                                     sender_address=address, sender_engine_id="prefill-silent/tp0")
+
+
+async def test_a_silent_sender_fails_each_waiting_call_with_its_own_status(quick_decode, engines, silent):
+    """50 ExpectTransfer to a sender that never answers OfferGrant: each answers UNAVAILABLE within its
+    own deadline (none is cut off by another's timeout), only once its grant has ended (its watch
+    opens on FAILED), and the same id may be tried again."""
+    dst = await engines.make(quick_decode, "decode", fill="canary")
+    ids = [f"silent-{secrets.token_hex(4)}-{i}" for i in range(50)]
+    calls = [dst.stub.ExpectTransfer(expect_from(dst, silent.address, rid, [i % 64]), timeout=60) for i, rid in
+             enumerate(ids)]
+    results = await asyncio.gather(*(refusal(call) for call in calls))
+    codes = [r.code() for r in results]
+    assert codes == [grpc.StatusCode.UNAVAILABLE] * 50, codes
+    assert all("offer to the sender broker" in r.details() for r in results)
+    assert silent.calls.get("OfferGrant") == 50
+    for rid in ids[:5]:  # ended when the error came: nothing may write into its pages any more
+        statuses = await watch_all(dst, rid, timeout=10)
+        assert [s.state for s in statuses] == [pb.TRANSFER_STATE_FAILED]
+    again = await refusal(dst.stub.ExpectTransfer(expect_from(dst, silent.address, ids[0], [0]), timeout=60))
+    assert again.code() == grpc.StatusCode.UNAVAILABLE, again.details()  # tried again, not ALREADY_EXISTS
+    assert silent.calls["OfferGrant"] == 51
+
+
+
+# Both ends bound, under mutual TLS
+
+
+class FakePeer(ppb_grpc.PeerServiceServicer):
+    """A TLS PeerService of the test's own, holding a certificate of the brokers' CA: it answers
+    Handshake and OfferGrant with what the test scripts (a replayed answer, a borrowed name)."""
+
+    def __init__(self, identity: Identity, handshake: ppb.HandshakeResponse | None = None,
+                 offer_answer: ppb.OfferGrantResponse | None = None) -> None:
+        self.identity = identity
+        self.handshake = handshake
+        self.offer_answer = offer_answer
+        self.notices = 0
+        self.server = grpc.aio.server()
+        self.address = ""
+
+    async def start(self) -> FakePeer:
+        ppb_grpc.add_PeerServiceServicer_to_server(self, self.server)
+        credentials = grpc.ssl_server_credentials(
+            [(self.identity.paths["key"].read_bytes(), self.identity.paths["cert"].read_bytes())],
+            root_certificates=self.identity.paths["ca"].read_bytes(), require_client_auth=True)
+        port = self.server.add_secure_port("127.0.0.1:0", credentials)
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    async def Handshake(self, request, context):
+        if self.handshake is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no engine")
+        return self.handshake
+
+    async def OfferGrant(self, request, context):
+        return self.offer_answer
+
+    async def NotifyParts(self, request, context):
+        self.notices += len(request.notices)
+        return ppb.NotifyPartsResponse(acks=[ppb.PartAck(state=pb.TRANSFER_STATE_TRANSFERRING)
+                                             for _ in request.notices])
+
+
+@pytest.fixture(scope="module")
+async def bound(tmp_path_factory, backend):
+    """Under one CA: a prefill broker admitting decode-*; the real decode broker and a squatting one
+    (an admitted identity running kvbroker itself), each admitting prefill-*; certificates for the
+    test's own fake peers."""
+    directory = tmp_path_factory.mktemp("bound")
+    ca = trustme.CA()
+    ids = {name: Identity(ca, directory, name)
+           for name in ("prefill-b", "decode-b", "decode-squat", "decode-fake", "prefill-fake")}
+    prefill = await open_broker("prefill-b", backend, *ids["prefill-b"].flags, "--peer-allow", "decode-*")
+    decode = await open_broker("decode-b", backend, *ids["decode-b"].flags, "--peer-allow", "prefill-*")
+    squat = await open_broker("decode-squat", backend, *ids["decode-squat"].flags, "--peer-allow", "prefill-*")
+    yield prefill, decode, squat, ids
+    await close_brokers(prefill, decode, squat)
+
+
+async def test_a_squatters_offer_neither_blocks_the_real_one_nor_gets_a_byte(bound, engines, request_id):
+    """An admitted decode identity offers a request id before the real decode does: the real offer
+    is taken all the same (its key differs), a part naming no receiver is refused while both could
+    match, and the part naming the real receiver writes there alone; the squatter's grant fails."""
+    prefill, decode, squat, _ = bound
+    src = await engines.make(prefill, "prefill", seed=31)
+    dst = await engines.make(decode, "decode", fill="canary")
+    bait = await engines.make(squat, "decode", fill="canary")
+    before = dst.segment.array.copy()
+    await offer(bait, src, request_id, {MAIN: [3, 4]})
+    await offer(dst, src, request_id, {MAIN: [5, 6]})  # not ALREADY_EXISTS
+    ambiguous = await refusal(part(src, request_id, {MAIN: [0, 1]}))
+    assert ambiguous.code() == grpc.StatusCode.FAILED_PRECONDITION and "receiver_broker_id" in ambiguous.details()
+    done = await part(src, request_id, {MAIN: [0, 1]}, receiver="decode-b")
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [0, 1], [5, 6])]))
+    assert int(np.count_nonzero(bait.segment.array != CANARY)) == 0
+    assert (await watch_all(bait, request_id))[-1].state == pb.TRANSFER_STATE_FAILED
+
+
+async def test_a_handshake_answer_that_replays_the_senders_own_metadata_is_refused(bound, engines, request_id,
+                                                                                   backend):
+    """An admitted decode identity offers a grant whose receiver is its own server, which answers the
+    handshake with the prefill broker's own engine metadata and another prefill engine's layout:
+    prefill refuses it and writes nothing into its own engine."""
+    prefill, _, _, ids = bound
+    src = await engines.make(prefill, "prefill", seed=32)
+    other = await engines.make(prefill, "prefill", fill="canary")
+    async with grpc.aio.secure_channel(prefill.peer_address, ids["decode-fake"].credentials) as channel:
+        stub = ppb_grpc.PeerServiceStub(channel)
+        own = await stub.Handshake(ppb.HandshakeRequest(broker_id="decode-fake", engine_id=other.engine_id,
+                                                        backend=backend), timeout=10)
+        replayed = ppb.HandshakeResponse()
+        replayed.CopyFrom(own)
+        replayed.broker_id = "decode-fake"
+        fake = await FakePeer(ids["decode-fake"], handshake=replayed).start()
+        try:
+            await stub.OfferGrant(ppb.OfferGrantRequest(
+                broker_id="decode-fake", epoch=own.epoch, peer_address=fake.address, engine_id=other.engine_id,
+                request_id=request_id, sender_engine_id=src.engine_id,
+                pages=[pb.ComponentPages(component=MAIN, page_ids=[1, 2])], remaining_ms=30_000,
+                offer_token=secrets.token_hex(16), generation=own.generation), timeout=10)
+            refused = await refusal(part(src, request_id, {MAIN: [0, 1]}, receiver="decode-fake"))
+        finally:
+            await fake.server.stop(0)
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED and "own" in refused.details()
+    assert int(np.count_nonzero(other.segment.array != CANARY)) == 0
+    assert fake.notices <= 1  # at most the failure notice
+
+
+async def test_an_offer_answered_in_a_name_its_certificate_does_not_carry_fails(bound, engines, request_id):
+    """The decode broker offers to a server whose certificate names prefill-fake but which answers
+    OfferGrant as the real prefill broker: the grant fails PERMISSION_DENIED, ended when it answers."""
+    _, decode, _, ids = bound
+    dst = await engines.make(decode, "decode", fill="canary")
+    fake = await FakePeer(ids["prefill-fake"], offer_answer=ppb.OfferGrantResponse(broker_id="prefill-b",
+                                                                                   epoch=1)).start()
+    try:
+        refused = await refusal(dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+            request_id=request_id, engine_id=dst.engine_id, expiry_ms=30_000,
+            pages=[pb.ComponentPages(component=MAIN, page_ids=[1, 2])], sender_address=fake.address,
+            sender_engine_id="prefill-b-0/tp0"), timeout=30))
+    finally:
+        await fake.server.stop(0)
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
+    assert "certificate does not name" in refused.details()
+    assert [s.state for s in await watch_all(dst, request_id, timeout=10)] == [pb.TRANSFER_STATE_FAILED]
