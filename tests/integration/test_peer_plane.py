@@ -10,12 +10,18 @@ answers them, raw PeerService clients, raw TCP connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import resource
 import secrets
+import socket
+import statistics
+import time
 
 import grpc
 import numpy as np
 import pytest
 import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker.tools.shapes import CANARY
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -229,3 +235,132 @@ async def test_an_offer_answered_in_a_name_its_certificate_does_not_carry_fails(
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
     assert "certificate does not name" in refused.details()
     assert [s.state for s in await watch_all(dst, request_id, timeout=10)] == [pb.TRANSFER_STATE_FAILED]
+
+
+# Quotas before work
+
+
+def rss_mib(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+MILLION = 1 << 20
+PAGES_PER_PEER = 2 * MILLION  # the flooded broker's max_offer_pages_per_peer: two offers of a million page ids
+
+
+@pytest.fixture(scope="module")
+async def quota(tmp_path_factory):
+    """A prefill broker whose identities may each hold two offers of a million page ids, a real
+    decode broker, and the certificate of an admitted identity that floods."""
+    directory = tmp_path_factory.mktemp("quota")
+    ca = trustme.CA()
+    ids = {name: Identity(ca, directory, name) for name in ("prefill-q", "decode-q", "decode-flood")}
+    prefill = await open_broker("prefill-q", "nixl", *ids["prefill-q"].flags, "--peer-allow", "decode-*",
+                                "--max-offer-pages-per-peer", str(PAGES_PER_PEER))
+    decode = await open_broker("decode-q", "nixl", *ids["decode-q"].flags, "--peer-allow", "prefill-*")
+    yield prefill, decode, ids["decode-flood"]
+    await close_brokers(prefill, decode)
+
+
+def flood_offer(prefill, request_id: str) -> ppb.OfferGrantRequest:
+    return ppb.OfferGrantRequest(
+        broker_id="decode-flood", epoch=1, peer_address="127.0.0.1:9", engine_id="decode-x/tp0",
+        request_id=request_id, pages=[pb.ComponentPages(component=MAIN, page_ids=range(MILLION))],
+        remaining_ms=600_000, offer_token=secrets.token_hex(16), generation=1)
+
+
+async def test_an_offer_flood_is_held_to_its_identitys_quota_and_real_offers_are_still_taken(quota, engines,
+                                                                                            request_id):
+    """An admitted identity sends 24 offers of a million page ids each (about 200 MB held, were they
+    all kept): two are kept, the rest refused RESOURCE_EXHAUSTED naming the setting, the broker's
+    memory grows by what two offers hold and the parsing of one at a time (measured against its own
+    VmRSS before the flood), and the real decode's offer is taken and written meanwhile."""
+    prefill, decode, flood = quota
+    src = await engines.make(prefill, "prefill", seed=41)
+    dst = await engines.make(decode, "decode", fill="canary")
+    pid = prefill.process.process.pid
+    baseline = rss_mib(pid)
+    peak, codes, details = baseline, [], set()
+    async with grpc.aio.secure_channel(prefill.peer_address, flood.credentials,
+                                       options=[("grpc.max_send_message_length", 64 * MILLION)]) as channel:
+        stub = ppb_grpc.PeerServiceStub(channel)
+        for i in range(24):
+            try:
+                await stub.OfferGrant(flood_offer(prefill, f"{request_id}-flood-{i}"), timeout=30)
+                codes.append(grpc.StatusCode.OK)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+                details.add(exc.details())
+            peak = max(peak, rss_mib(pid))
+    assert codes[:2] == [grpc.StatusCode.OK] * 2
+    assert codes[2:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 22
+    assert all("max_offer_pages_per_peer" in d for d in details), details
+    kept = PAGES_PER_PEER * 8 / MILLION  # MiB of page arrays the two offers hold
+    assert peak - baseline < kept + 64, (baseline, peak)  # all 24 kept would take ~200 MiB more
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: [8, 9]})
+    done = await part(src, request_id, {MAIN: [0, 1]}, receiver="decode-q")
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [0, 1], [8, 9])]))
+
+
+# Health while the peer port is flooded
+
+
+async def health_times(address: str, n: int = 30) -> list[float]:
+    """How long each of `n` health checks took; each must answer SERVING."""
+    out = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for _ in range(n):
+            started = time.monotonic()
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service="kvbroker.v1.BrokerService"), timeout=30)
+            out.append(time.monotonic() - started)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    return out
+
+
+@contextlib.contextmanager
+def idle_connections(address: str, count: int):
+    """`count` TCP connections to `address` that never say a word."""
+    host, _, port = address.rpartition(":")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, count + 1024)), hard))
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            held.append(sock)
+        yield held
+    finally:
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+async def test_health_on_the_local_api_answers_while_the_peer_port_is_flooded_with_idle_connections(
+        brokers, engines, request_id):
+    """3000 idle connections on the peer port (over max_peer_connections, 1024): the local API's health,
+    which the probes ask (deploy/, kvbroker.ops.probe), answers SERVING each time, its median within
+    ten times its median before the flood (or the slowest check before it), and a request of a peer
+    already connected still moves."""
+    if brokers.backend != "nixl":
+        pytest.skip("one engine is enough: no engine is involved")
+    src = await engines.make(brokers.prefill, "prefill", seed=42)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    await offer(dst, src, f"{request_id}-warm", {MAIN: [1]})  # the pair's connection is made before the flood
+    await part(src, f"{request_id}-warm", {MAIN: [0]})
+    before = await health_times(brokers.prefill.process.listen)
+    with idle_connections(brokers.prefill.peer_address, 3000):
+        during = await health_times(brokers.prefill.process.listen)
+        await offer(dst, src, request_id, {MAIN: [5, 6]})
+        done = await part(src, request_id, {MAIN: [2, 3]})
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    bound = max(10 * statistics.median(before), max(before))
+    assert statistics.median(during) <= bound, (statistics.median(during), before)
