@@ -65,8 +65,8 @@ class PeerCalls:
             raise BrokerError(Code.RESOURCE_EXHAUSTED, f"broker_id: peer {name[:128]!r} has {mine} calls being served, "
                                                        f"the limit (max_peer_calls_per_peer)")
         if self._all >= self.total:
-            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"this broker serves {self._all} peer calls, the limit "
-                                                       "(max_peer_calls)")
+            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"this broker has {self._all} peer calls being served, the "
+                                                       "limit (max_peer_calls)")
         self._held[name] = mine + 1
         self._all += 1
 
