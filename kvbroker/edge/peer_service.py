@@ -34,9 +34,11 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
         self._gate = gate
         self._calls = calls if calls is not None else PeerCalls(1 << 30, 1 << 30)
 
-    def _caller(self, request, context, *, hide_as_engine: str | None = None) -> PeerIdentity:
+    def _caller(self, request, context, *, hide_as_engine: str | None = None, held: bool = False) -> PeerIdentity:
         """Who calls, admitted (else PERMISSION_DENIED, or with `hide_as_engine` the answer an unknown
-        engine gets), and within its share of the calls served at once (RESOURCE_EXHAUSTED)."""
+        engine gets). A `held` call, one that waits (on the transfer engine, on writes) and so can be
+        made to hold the broker, counts against the calls served at once until it ends
+        (RESOURCE_EXHAUSTED); the others run to their answer without waiting."""
         try:
             identity = self._gate.identify(request.broker_id, context.auth_context())
             if not self._gate.admits(identity):
@@ -46,13 +48,14 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
             if hide_as_engine is not None:
                 raise unknown_engine(hide_as_engine) from None
             raise
-        self._calls.enter(identity.name)
-        context.add_done_callback(lambda _: self._calls.leave(identity.name))
+        if held:
+            self._calls.enter(identity.name)
+            context.add_done_callback(lambda _: self._calls.leave(identity.name))
         return identity
 
     @translate_errors
     async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
-        self._caller(request, context, hide_as_engine=request.engine_id)
+        self._caller(request, context, hide_as_engine=request.engine_id, held=True)
         backend = self._broker.backend
         if request.backend != backend.name:
             raise BrokerError(Code.FAILED_PRECONDITION,
@@ -102,7 +105,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     @translate_errors
     async def RevokeOffer(self, request: ppb.RevokeOfferRequest, context) -> ppb.RevokeOfferResponse:
-        identity = self._caller(request, context)
+        identity = self._caller(request, context, held=True)
         left = context.time_remaining()
         wait = self._broker.limits.peer_rpc_timeout_s if left is None else max(0.0, left - REVOKE_ANSWER_MARGIN_S)
         quiesced = await self._broker.revoke_offer(identity, request.engine_id, request.request_id,

@@ -49,7 +49,7 @@ class PeerGate:
 
 
 class PeerCalls:
-    """Peer calls being served at once, per identity and in total (max_peer_calls_per_peer,
+    """Peer calls that wait being served at once, per identity and in total (max_peer_calls_per_peer,
     max_peer_calls): a call past either bound is refused RESOURCE_EXHAUSTED before any work, so
     that one peer's stalled or slow calls never take the others' room. Without mutual TLS an
     identity is the peer's claim: only the total holds against a stranger."""
