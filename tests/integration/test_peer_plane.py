@@ -364,3 +364,76 @@ async def test_health_on_the_local_api_answers_while_the_peer_port_is_flooded_wi
     assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
     bound = max(10 * statistics.median(before), max(before))
     assert statistics.median(during) <= bound, (statistics.median(during), before)
+
+
+HEALTH_CHILD = """
+import json, sys, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+took = []
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    stub = health_pb2_grpc.HealthStub(channel)
+    sys.stdout.write("ready\\n"); sys.stdout.flush()
+    for _ in range(int(sys.argv[2])):
+        started = time.monotonic()
+        reply = stub.Check(health_pb2.HealthCheckRequest(service="kvbroker.v1.BrokerService"), timeout=60)
+        took.append(time.monotonic() - started)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        time.sleep(0.02)
+print(json.dumps(took))
+"""
+
+
+async def health_in_child(address: str, n: int, busy=None) -> list[float]:
+    """`n` health checks from a process of their own (the test's own loop, busy building big requests,
+    must not be what is measured), while `busy()` runs here; how long each took."""
+    import json
+    import sys
+
+    child = await asyncio.create_subprocess_exec(sys.executable, "-c", HEALTH_CHILD, address, str(n),
+                                                 stdout=asyncio.subprocess.PIPE)
+    try:
+        assert (await asyncio.wait_for(child.stdout.readline(), 60)).strip() == b"ready"
+        work = asyncio.ensure_future(busy()) if busy is not None else None
+        out = await asyncio.wait_for(child.stdout.read(), 300)
+        if work is not None:
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+async def test_health_on_the_local_api_answers_while_the_peer_port_is_busy_with_big_requests(brokers):
+    """16 callers keep sending OfferGrants of 3 page lists of a million ids each (about 9 MB, refused
+    or kept up to the quotas) to the peer port: the local API's health, asked from another process,
+    answers SERVING each time, its median within ten times its own median before (or the slowest
+    check before)."""
+    if brokers.backend != "nixl":
+        pytest.skip("one engine is enough: no engine is involved")
+    broker = brokers.prefill
+    ids = list(range(MILLION))
+    request = ppb.OfferGrantRequest(
+        broker_id="stranger", epoch=1, peer_address="127.0.0.1:9", engine_id="decode-x/tp0", request_id="x",
+        pages=[pb.ComponentPages(component=MAIN, page_ids=ids) for _ in range(3)], remaining_ms=1000,
+        offer_token=secrets.token_hex(16), generation=1)
+    data = request.SerializeToString()  # built once: the test's loop sends bytes, it does not build them
+
+    async def flood():
+        async with grpc.aio.insecure_channel(broker.peer_address,
+                                             options=[("grpc.max_send_message_length", 64 * MILLION)]) as channel:
+            send = channel.unary_unary("/kvbroker.v1.PeerService/OfferGrant")
+
+            async def caller():
+                while True:
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await send(data, timeout=30)
+
+            await asyncio.gather(*(caller() for _ in range(16)))
+
+    before = await health_in_child(broker.process.listen, 30)
+    during = await health_in_child(broker.process.listen, 30, busy=flood)
+    bound = max(10 * statistics.median(before), max(before))
+    assert statistics.median(during) <= bound, (statistics.median(during), before)
