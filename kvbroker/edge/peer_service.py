@@ -2,7 +2,9 @@
 out; domain errors become status codes (edge.py). The sending side is peer_clients.py.
 
 Every call first establishes who the caller is (trust.PeerGate: under mutual TLS its broker_id
-must be a name of its certificate) and whether `peer_allow` admits it. A caller that is not
+must be a name of its certificate) and whether `peer_allow` admits it; the calls that wait
+(Handshake, RevokeOffer) count against the caller's share of the calls served at once
+(trust.PeerCalls), and an offer against its quotas before its page lists are converted. A caller that is not
 admitted gets, from Handshake, the very answer an unknown engine gets, so that engine ids cannot
 be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 

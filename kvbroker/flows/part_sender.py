@@ -1,7 +1,8 @@
 """The offered flow's sender side: grants receivers offered to this broker, and the parts written into them.
 
 Called by the Broker (the façade):
-- `receive_offer` (PeerService OfferGrant): the offer checked and kept in the OfferBook; one that
+- `admit_offer`, `receive_offer` (PeerService OfferGrant): the offer's quotas checked before it is
+  built, none from this broker itself; the offer checked and kept in the OfferBook; one that
   names its engine becomes that engine's PENDING record at once (the server can watch it), and the
   handshake with the receiver is made ahead, so that no part waits for it.
 - `revoke` (PeerService RevokeOffer): the receiver withdraws its offer: the offer ends, the record
@@ -10,7 +11,9 @@ Called by the Broker (the façade):
   the receiver is told, and it returns once no write runs.
 - `send_part` (Transfer without peer_address): one part, run as a task this object owns. Its phases:
 
-    offer    the offer for the request id (waiting up to offer_wait_s) and the record it feeds
+    offer    the offer for the request id from the part's receiver (receiver_broker_id; unnamed, the
+             one offer there is), waiting up to offer_wait_s, and the record it feeds; the other
+             receivers' offers of the request for this engine end
     session  the receiver's engine, from a cached or a new handshake (refreshed when the offer names
              another epoch or registry generation than the cached one)
     rules    every topology rule of topology.py for the part's components
