@@ -218,6 +218,32 @@ async def test_a_handshake_answer_that_replays_the_senders_own_metadata_is_refus
     assert fake.notices <= 1  # at most the failure notice
 
 
+async def test_a_handshake_answered_in_a_name_its_certificate_does_not_carry_is_refused(bound, engines, request_id,
+                                                                                       backend):
+    """decode-squat offers a grant whose receiver address is a server holding decode-fake's
+    certificate, which answers the handshake as decode-squat with decode-squat's real answer: the
+    sender dials it as decode-squat, TLS refuses the certificate, and nothing is written."""
+    prefill, _, squat, ids = bound
+    src = await engines.make(prefill, "prefill", seed=33)
+    bait = await engines.make(squat, "decode", fill="canary")
+    async with grpc.aio.secure_channel(squat.peer_address, ids["prefill-fake"].credentials) as channel:
+        real = await ppb_grpc.PeerServiceStub(channel).Handshake(ppb.HandshakeRequest(
+            broker_id="prefill-fake", engine_id=bait.engine_id, backend=backend), timeout=10)
+    fake = await FakePeer(ids["decode-fake"], handshake=real).start()
+    try:
+        async with grpc.aio.secure_channel(prefill.peer_address, ids["decode-squat"].credentials) as channel:
+            await ppb_grpc.PeerServiceStub(channel).OfferGrant(ppb.OfferGrantRequest(
+                broker_id="decode-squat", epoch=real.epoch, peer_address=fake.address, engine_id=bait.engine_id,
+                request_id=request_id, sender_engine_id=src.engine_id,
+                pages=[pb.ComponentPages(component=MAIN, page_ids=[1, 2])], remaining_ms=30_000,
+                offer_token=secrets.token_hex(16), generation=real.generation), timeout=10)
+        refused = await refusal(part(src, request_id, {MAIN: [0, 1]}, receiver="decode-squat"))
+    finally:
+        await fake.server.stop(0)
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
+    assert int(np.count_nonzero(bait.segment.array != CANARY)) == 0
+
+
 async def test_an_offer_answered_in_a_name_its_certificate_does_not_carry_fails(bound, engines, request_id):
     """The decode broker offers to a server whose certificate names prefill-fake but which answers
     OfferGrant as the real prefill broker: the grant fails PERMISSION_DENIED, ended when it answers."""
