@@ -29,7 +29,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import assert_bytes, close_broker, close_brokers, open_broker
-from tests.integration.test_offered_flow import MAIN, expect_pages, offer, part, refusal, watch_all
+from tests.integration.flows import MAIN, expect_pages, offer, part, refusal, watch_all
 from tests.integration.test_peer_trust import Identity
 
 pytestmark = pytest.mark.integration
