@@ -22,20 +22,31 @@ class PeerChannels:
                  track: Callable[[asyncio.Task], None]) -> None:
         self._options = list(options)
         self._credentials = credentials  # the current TLS credentials and their generation (tls.PeerTls)
-        self._grace_s = grace_s
+        self.grace_s = grace_s
         self._track = track
         # per (peer address, the identity its certificate must name; "": the host dialled, or
         # peer_tls_server_name): the channel, its stub, the generation of the credentials it was made with
         self._channels: dict[tuple[str, str], tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub, int]] = {}
+        self._names: dict[str, str] = {}  # the identity an address is dialled as, once a caller expects one
+        self.proven: set[tuple[str, str]] = set()  # (address, identity) a TLS handshake dialled so proved
 
     @property
     def tls(self) -> bool:
         return self._credentials is not None
 
-    def stub(self, address: str, name: str = "") -> ppb_grpc.PeerServiceStub:
-        """The address's channel's stub (under TLS, the one dialled as `name` when given, so that TLS
-        refuses a server whose certificate does not name it); made, or remade after the TLS files
-        changed, as needed."""
+    def dial_as(self, address: str, name: str) -> None:
+        """Dial `address` as `name` from now on (the identity a caller expects there); "": no change."""
+        if name:
+            self._names[address] = name
+
+    def dialled_as(self, address: str) -> str:
+        return self._names.get(address, "")
+
+    def stub(self, address: str, name: str | None = None) -> ppb_grpc.PeerServiceStub:
+        """The address's channel's stub, dialled as `name` (default: as `dial_as` said; "": the host):
+        under TLS, a server whose certificate does not name it is refused. Made, or remade after the
+        TLS files changed, as needed."""
+        name = self._names.get(address, "") if name is None else name
         key = (address, name if self._credentials is not None else "")
         entry = self._channels.get(key)
         if self._credentials is None:
@@ -45,7 +56,7 @@ class PeerChannels:
             return entry[1]
         generation, credentials = self._credentials()
         if entry is not None and entry[2] != generation:
-            self._close(key, grace=self._grace_s)
+            self._close(key, grace=self.grace_s)
             entry = None
         if entry is None:
             options = self._options
@@ -56,10 +67,14 @@ class PeerChannels:
             entry = self._channels[key] = (channel, ppb_grpc.PeerServiceStub(channel), generation)
         return entry[1]
 
-    def close(self, address: str, grace: float | None = None) -> None:
-        """Close the address's channels; with `grace`, the calls on them first end by themselves."""
+    def close(self, address: str, grace: float | None = None, *, forget: bool = False) -> None:
+        """Close the address's channels; with `grace`, the calls on them first end by themselves;
+        with `forget`, the identity it is dialled as and the ones proven there too."""
         for key in [k for k in self._channels if k[0] == address]:
             self._close(key, grace)
+        if forget:
+            self._names.pop(address, None)
+            self.proven = {p for p in self.proven if p[0] != address}
 
     def _close(self, key: tuple[str, str], grace: float | None = None) -> None:
         entry = self._channels.pop(key, None)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,12 +44,12 @@ from kvbroker.peers.channels import PeerChannels
 from kvbroker.peers.idle import IdlePeers
 from kvbroker.peers.link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
 from kvbroker.peers.notifier import Notifier
+from kvbroker.peers.vouch import TLS_FAILURE, Vouch, closed_under
 from kvbroker.peers.wire import from_rpc_error
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
 
-_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate|verification check", re.IGNORECASE)
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
 
 
@@ -94,8 +93,7 @@ class PeerClients:
         self._epoch = epoch
         self._backend = backend
         self._channels = PeerChannels(channel_options, credentials, rpc_timeout_s, self._track)
-        self._rpc_timeout_s = rpc_timeout_s
-        self._verified: set[tuple[str, str]] = set()  # (address, identity): a TLS handshake proved it
+        self._vouch = Vouch(broker_id, epoch, backend, self._channels)  # who answered: not us, and certified
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
@@ -122,11 +120,9 @@ class PeerClients:
         return [self._sessions.pop(k).peer_handle for k in [k for k in self._sessions if k[0] == address]]
 
     def forget(self, address: str) -> None:
-        """Drop what is cached of a peer; the next call reconnects and handshakes again. The calls
-        still waiting on the old channel end by their own deadlines (each at most rpc_timeout_s),
-        never by this: one peer's silence fails each call that waits on it, not the calls beside it."""
+        """Drop what is cached of a peer; the next call reconnects (calls under way end by their deadlines)."""
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
-        self._channels.close(address, grace=self._rpc_timeout_s + 1.0)
+        self._channels.close(address, grace=self._channels.grace_s + 1.0)
 
     def _writing_through(self, address: str) -> bool:
         """Whether the transfer engine writes through one of the address's handles."""
@@ -136,31 +132,23 @@ class PeerClients:
     def _forget_idle(self, address: str, idle: float) -> None:
         handles = self._pop_sessions(address) + self._parked.pop(address, [])
         self._disconnect(handles)
-        self._channels.close(address)
-        self._verified = {v for v in self._verified if v[0] != address}
+        self._channels.close(address, forget=True)
         record = self.records.pop(address, None)
         log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
                                                 "idle_s": round(idle, 3), "handshakes_given_back": len(handles)})
 
-    async def _rpc(self, address: str, method: str, request, timeout: float, name: str = ""):
+    async def _rpc(self, address: str, method: str, request, timeout: float):
         loop = asyncio.get_running_loop()
         timeout = max(timeout, 0.001)
         deadline = loop.time() + timeout
         self._idle.begin(address)
         try:
-            reply = await getattr(self._channels.stub(address, name), method)(request, timeout=timeout,
-                                                                              wait_for_ready=False)
+            reply = await getattr(self._channels.stub(address), method)(request, timeout=timeout, wait_for_ready=False)
             if self._limits is not None and (refusal := self._limits.check_lists(reply)) is not None:
                 raise BrokerError(Code.RESOURCE_EXHAUSTED, f"peer broker {address}: {method} answer: {refusal.message}")
             return reply
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                raise
-            # grpc cancels the calls of a channel that closes under them: that is the peer's failure
-            # for this call to report, not a cancellation of the caller.
-            raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: {method}: the channel closed "
-                                                "before the answer") from None
+        except asyncio.CancelledError as exc:  # grpc cancels a channel's calls when it closes: a peer failure
+            raise closed_under(exc, address, method) from None
         except grpc.aio.AioRpcError as exc:
             # DEADLINE_EXCEEDED is ours when our deadline passed; before it, the peer said it (an expired grant).
             silent = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() >= deadline - 0.001
@@ -168,7 +156,7 @@ class PeerClients:
                 self.forget(address)
             if silent:
                 raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: no answer within {timeout:.3f}s") from None
-            if exc.code() is grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE.search(exc.details() or ""):
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and TLS_FAILURE.search(exc.details() or ""):
                 raise BrokerError(Code.PERMISSION_DENIED,
                                   f"peer broker {address}: TLS authentication failed: {exc.details()}") from None
             raise from_rpc_error(exc, f"peer broker {address}") from None
@@ -177,28 +165,23 @@ class PeerClients:
 
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float,
                       expect: str = "") -> PeerSession:
+        self._channels.dial_as(address, expect)  # TLS refuses a certificate without it; answers must give it
         self._idle.begin(address)
         try:
-            session = await self._session(address, engine_id, refresh, timeout, expect)
+            return await self._session(address, engine_id, refresh, timeout)
         finally:
             self._idle.end(address)
-        if expect and session.broker_id != expect:
-            raise BrokerError(Code.PERMISSION_DENIED, f"peer broker {address}: answers as {session.broker_id!r}, "
-                                                      f"not {expect!r}")
-        return session
 
-    async def _session(self, address: str, engine_id: str, refresh: bool, timeout: float,
-                       expect: str) -> PeerSession:
+    async def _session(self, address: str, engine_id: str, refresh: bool, timeout: float) -> PeerSession:
         key = (address, engine_id)
-        if not refresh and key in self._sessions and (not expect or self._sessions[key].broker_id == expect
-                                                      and (address, expect) in self._verified):
+        if not refresh and key in self._sessions:
             return self._sessions[key]
         if key in self._pending:  # one handshake per key at a time; others wait for its result
             return await asyncio.shield(self._pending[key])
         future = asyncio.get_running_loop().create_future()
         self._pending[key] = future
         try:
-            session = await self._handshake(address, engine_id, timeout, expect)
+            session = await self._handshake(address, engine_id, timeout)
             future.set_result(session)
             return session
         except BaseException as exc:
@@ -208,30 +191,20 @@ class PeerClients:
         finally:
             del self._pending[key]
 
-    async def _handshake(self, address: str, engine_id: str, timeout: float, expect: str = "") -> PeerSession:
+    async def _handshake(self, address: str, engine_id: str, timeout: float) -> PeerSession:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:  # again only when the answer came from a process the peer has since replaced
-            session = await self._handshake_once(address, engine_id, deadline - loop.time(), expect)
+            session = await self._handshake_once(address, engine_id, deadline - loop.time())
             if session is not None:
                 return session
 
-    async def _handshake_once(self, address: str, engine_id: str, timeout: float,
-                              expect: str = "") -> PeerSession | None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+    async def _handshake_once(self, address: str, engine_id: str, timeout: float) -> PeerSession | None:
         request = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id=engine_id,
                                        backend=self._backend.name)
         sent = next(self._sent)
-        reply = await self._rpc(address, "Handshake", request, timeout, name=expect)
-        self._refuse_own(address, reply.broker_id, reply.backend_metadata)
-        if expect:
-            if reply.broker_id != expect:
-                raise BrokerError(Code.PERMISSION_DENIED, f"peer broker {address}: answers as {reply.broker_id!r}, "
-                                                          f"not {expect!r}")
-            self._verified.add((address, expect))  # dialled with the name: TLS checked it (or no TLS)
-        else:
-            await self._verify(address, reply.broker_id, deadline - loop.time())
+        reply = await self._rpc(address, "Handshake", request, timeout)
+        await self._vouch.check(address, reply.broker_id, timeout, reply.backend_metadata)
         try:
             engine = wire.engine_layout_in(reply.engine)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
@@ -284,53 +257,14 @@ class PeerClients:
             succeeded=status.state is not TransferState.FAILED, code=status.code, reason=status.reason,
             pages=status.pages, runs=status.runs, bytes=status.bytes, truncated_pages=status.truncated_pages,
         )
-        reply = await self._rpc(address, "CompleteTransfer", request, timeout)
-        try:
-            return TransferState(reply.state)
-        except ValueError:
-            raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {reply.state} "
-                                            f"for the grant") from None
+        return wire.completion_state_in((await self._rpc(address, "CompleteTransfer", request, timeout)).state,
+                                        address)
 
     async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
         reply = await self._rpc(address, "OfferGrant", wire.grant_offer_out(offer, self._broker_id, self._epoch),
                                 timeout)
-        self._refuse_own(address, reply.broker_id, b"")
-        await self._verify(address, reply.broker_id, deadline - loop.time())
+        await self._vouch.check(address, reply.broker_id, timeout)
         return reply.broker_id, reply.epoch
-
-    def _refuse_own(self, address: str, broker_id: str, metadata: bytes) -> None:
-        """A broker never writes into its own engines through a peer handshake: an answer in our own
-        name, or carrying our own transfer engine's metadata, is refused."""
-        if broker_id == self._broker_id or (metadata and self._backend.is_own(metadata)):
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"peer broker {address}: answers with this broker's own "
-                              f"{'broker id' if broker_id == self._broker_id else 'transfer engine metadata'}; "
-                              "a broker never writes into its own engines through a peer handshake")
-
-    async def _verify(self, address: str, name: str, timeout: float) -> None:
-        """Under peer TLS, that the broker at `address`, which answered as `name`, holds a certificate
-        naming `name`: one call on a channel dialled with that name (grpc's Python client cannot read
-        the server's certificate, but its TLS handshake refuses one that does not name the target).
-        Any answer but a TLS failure proves it; cached per (address, name). Without TLS an answer's
-        broker_id is the peer's claim, as ours is to it."""
-        if not self._channels.tls or (address, name) in self._verified:
-            return
-        probe = ppb.HandshakeRequest(broker_id=self._broker_id, epoch=self._epoch, engine_id="",
-                                     backend=self._backend.name)
-        try:
-            await self._channels.stub(address, name).Handshake(probe, timeout=max(timeout, 0.001),
-                                                                wait_for_ready=False)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE.search(exc.details() or ""):
-                raise BrokerError(Code.PERMISSION_DENIED,
-                                  f"peer broker {address}: answers as {name[:128]!r}, but its certificate does not "
-                                  f"name it: {exc.details()}") from None
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: no answer dialled as {name[:128]!r}: "
-                                                    f"{exc.details()}") from None
-        self._verified.add((address, name))
 
     async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,
                      timeout: float) -> bool:
