@@ -37,7 +37,7 @@ from kvbroker.edge.admission import Admission, PeerReads, RequestLimits
 from kvbroker.edge.peer_service import PeerServicer
 from kvbroker.edge.service import BrokerServicer
 from kvbroker.edge.tls import PeerTls
-from kvbroker.edge.trust import PeerGate
+from kvbroker.edge.trust import PeerCalls, PeerGate
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.limits import Limits
 from kvbroker.ops.metrics import Metrics
@@ -242,7 +242,8 @@ class BrokerServer:
         broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()
         self.broker, self._peers = broker, peers
-        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker, gate), peer_server)
+        calls = PeerCalls(s.max_peer_calls, s.max_peer_calls_per_peer)
+        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker, gate, calls), peer_server)
         if not s.peer_tls_ca and peer_listen.rpartition(":")[0] not in ("127.0.0.1", "[::1]", "localhost"):
             log.warning("the peer port %s accepts brokers it cannot authenticate; set peer_tls_cert, "
                         "peer_tls_key and peer_tls_ca for mutual TLS", peer_listen)

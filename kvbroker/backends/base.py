@@ -64,6 +64,11 @@ class Backend(abc.ABC):
         """What a peer needs to write into this broker's registered memory."""
 
     @abc.abstractmethod
+    def is_own(self, metadata: bytes) -> bool:
+        """Whether a peer's metadata names this engine itself (a peer replaying ours): a broker never
+        writes into its own memory through a peer. Called on the event loop, it must not block."""
+
+    @abc.abstractmethod
     async def connect(self, metadata: bytes) -> object:
         """Make a peer known from its metadata; returns the peer handle `write` takes. Counted: the same
         peer's metadata yields an equal handle each time, and each call is undone by one `disconnect`."""

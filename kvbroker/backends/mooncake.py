@@ -170,6 +170,13 @@ class MooncakeBackend(Backend):
     async def metadata(self) -> bytes:
         return self._session.encode()
 
+    def is_own(self, metadata: bytes) -> bool:
+        """Our session id, also under another name of this host (loopback, any-address, our host)."""
+        host, _, port = metadata.decode(errors="replace").strip().rpartition(":")
+        own_host, _, own_port = self._session.rpartition(":")
+        local = {own_host, "localhost", "0.0.0.0", "::", "[::]", "::1", "[::1]"}
+        return bool(port) and port == own_port and (host in local or host.startswith("127."))
+
     async def connect(self, metadata: bytes) -> object:
         # The engine opens the peer's segment (its handshake) on the first write and caches it.
         session = metadata.decode(errors="replace")

@@ -114,6 +114,13 @@ class NixlBackend(Backend):
         except Exception as exc:  # nixl raises its own error types
             raise _failed("NIXL could not give its metadata", exc) from exc
 
+    def is_own(self, metadata: bytes) -> bool:
+        try:
+            key, _ = keyed_metadata(metadata)
+        except TransferFailed:
+            return False
+        return key.rpartition(b"#")[0] == self._agent_name.encode()
+
     async def connect(self, metadata: bytes) -> object:
         key, keyed = keyed_metadata(metadata)
 

@@ -138,9 +138,10 @@ def transfer_command_in(request: bpb.TransferRequest) -> TransferCommand | PartC
     """A Transfer as the domain's command: the claimed flow's when it names the receiver
     (peer_address), else one part of the offered flow."""
     if request.peer_address or request.remote_engine_id:
-        if request.pages or request.more_parts or request.aux:
+        if request.pages or request.more_parts or request.aux or request.receiver_broker_id:
             raise invalid("pages: the claimed flow (peer_address set) takes components and src_page_ids; "
-                          "pages, more_parts and aux belong to the offered flow (peer_address empty)")
+                          "pages, more_parts, aux and receiver_broker_id belong to the offered flow "
+                          "(peer_address empty)")
         return TransferCommand(
             request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
             components_in(request.components), page_ids_in(request.src_page_ids),
@@ -155,7 +156,8 @@ def transfer_command_in(request: bpb.TransferRequest) -> TransferCommand | PartC
     else:
         ids = page_ids_in(request.src_page_ids)
         pages = [(kind, ids, 0) for kind in components_in(request.components)]
-    return PartCommand(request.request_id, request.engine_id, tuple(pages), not request.more_parts, request.aux)
+    return PartCommand(request.request_id, request.engine_id, tuple(pages), not request.more_parts, request.aux,
+                       request.receiver_broker_id)
 
 
 def part_pages_in(values, field_name: str = "pages") -> list[tuple[Component, np.ndarray, int]]:

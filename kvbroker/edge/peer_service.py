@@ -2,7 +2,9 @@
 out; domain errors become status codes (edge/codes.py). The sending side is peers/clients.py.
 
 Every call first establishes who the caller is (trust.PeerGate: under mutual TLS its broker_id
-must be a name of its certificate) and whether `peer_allow` admits it. A caller that is not
+must be a name of its certificate) and whether `peer_allow` admits it; the calls that wait
+(Handshake, RevokeOffer) count against the caller's share of the calls served at once
+(trust.PeerCalls), and an offer against its quotas before its page lists are converted. A caller that is not
 admitted gets, from Handshake, the very answer an unknown engine gets, so that engine ids cannot
 be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 
@@ -17,7 +19,7 @@ from __future__ import annotations
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
 from kvbroker.edge.codes import translate_errors
-from kvbroker.edge.trust import PeerGate, PeerIdentity
+from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine
 from kvbroker.peers.notifier import MAX_BATCH
@@ -26,24 +28,33 @@ from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
-    def __init__(self, broker: Broker, gate: PeerGate) -> None:
+    def __init__(self, broker: Broker, gate: PeerGate, calls: PeerCalls | None = None) -> None:
         self._broker = broker
         self._gate = gate
+        self._calls = calls if calls is not None else PeerCalls(1 << 30, 1 << 30)
 
-    def _caller(self, request, context) -> PeerIdentity:
-        """Who calls, admitted; else PERMISSION_DENIED."""
-        identity = self._gate.identify(request.broker_id, context.auth_context())
-        if not self._gate.admits(identity):
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"broker_id: peer {identity.name[:128]!r} is not admitted by this broker's peer_allow")
+    def _caller(self, request, context, *, hide_as_engine: str | None = None, held: bool = False) -> PeerIdentity:
+        """Who calls, admitted (else PERMISSION_DENIED, or with `hide_as_engine` the answer an unknown
+        engine gets). A `held` call, one that waits (on the transfer engine, on writes) and so can be
+        made to hold the broker, counts against the calls served at once until it ends
+        (RESOURCE_EXHAUSTED); the others run to their answer without waiting."""
+        try:
+            identity = self._gate.identify(request.broker_id, context.auth_context())
+            if not self._gate.admits(identity):
+                raise BrokerError(Code.PERMISSION_DENIED, f"broker_id: peer {identity.name[:128]!r} is not admitted "
+                                                          "by this broker's peer_allow")
+        except BrokerError:
+            if hide_as_engine is not None:
+                raise unknown_engine(hide_as_engine) from None
+            raise
+        if held:
+            self._calls.enter(identity.name)
+            context.add_done_callback(lambda _: self._calls.leave(identity.name))
         return identity
 
     @translate_errors
     async def Handshake(self, request: ppb.HandshakeRequest, context) -> ppb.HandshakeResponse:
-        try:
-            self._caller(request, context)
-        except BrokerError:
-            raise unknown_engine(request.engine_id) from None
+        self._caller(request, context, hide_as_engine=request.engine_id, held=True)
         view = await self._broker.handshake(request.backend, request.engine_id)
         return ppb.HandshakeResponse(
             broker_id=view.broker_id, epoch=view.epoch, generation=view.generation, backend=view.backend,
@@ -75,13 +86,13 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
     @translate_errors
     async def OfferGrant(self, request: ppb.OfferGrantRequest, context) -> ppb.OfferGrantResponse:
         identity = self._caller(request, context)
-        self._broker.receive_offer(identity, request.sender_engine_id,
+        self._broker.receive_offer(identity, request.sender_engine_id, sum(len(p.page_ids) for p in request.pages),
                                    lambda max_pages: convert.grant_offer_in(request, max_pages), request.epoch)
         return ppb.OfferGrantResponse(broker_id=self._broker.broker_id, epoch=self._broker.epoch)
 
     @translate_errors
     async def RevokeOffer(self, request: ppb.RevokeOfferRequest, context) -> ppb.RevokeOfferResponse:
-        identity = self._caller(request, context)
+        identity = self._caller(request, context, held=True)
         quiesced = await self._broker.revoke_offer(identity, request.engine_id, request.request_id,
                                                    request.offer_token, request.code, request.reason,
                                                    context.time_remaining())

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.identity import PeerIdentity
 
-__all__ = ["SAN_PROPERTY", "PeerGate", "PeerIdentity"]  # PeerIdentity lives in core: the flows take it
+__all__ = ["SAN_PROPERTY", "PeerCalls", "PeerGate", "PeerIdentity"]  # PeerIdentity lives in core: the flows take it
 
 SAN_PROPERTY = "x509_subject_alternative_name"
 
@@ -42,3 +42,34 @@ class PeerGate:
 
     def admits(self, identity: PeerIdentity) -> bool:
         return any(fnmatch.fnmatchcase(identity.name, pattern) for pattern in self.allow)
+
+
+class PeerCalls:
+    """Peer calls that wait being served at once, per identity and in total (max_peer_calls_per_peer,
+    max_peer_calls): a call past either bound is refused RESOURCE_EXHAUSTED before any work, so
+    that one peer's stalled or slow calls never take the others' room. Without mutual TLS an
+    identity is the peer's claim: only the total holds against a stranger."""
+
+    def __init__(self, total: int, per_peer: int) -> None:
+        self.total, self.per_peer = total, per_peer
+        self._held: dict[str, int] = {}
+        self._all = 0
+
+    def enter(self, name: str) -> None:
+        mine = self._held.get(name, 0)
+        if mine >= self.per_peer:
+            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"broker_id: peer {name[:128]!r} has {mine} calls being served, "
+                                                       f"the limit (max_peer_calls_per_peer)")
+        if self._all >= self.total:
+            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"this broker has {self._all} peer calls being served, the "
+                                                       "limit (max_peer_calls)")
+        self._held[name] = mine + 1
+        self._all += 1
+
+    def leave(self, name: str) -> None:
+        mine = self._held.get(name, 0) - 1
+        if mine > 0:
+            self._held[name] = mine
+        else:
+            self._held.pop(name, None)
+        self._all -= 1

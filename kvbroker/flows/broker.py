@@ -86,7 +86,7 @@ class Broker:
         self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
         self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
-        self.offers = OfferIntake(self.registry, self.table, peers, limits)
+        self.offers = OfferIntake(self.registry, self.table, peers, limits, broker_id, peer_address)
         self.part_sender = PartSender(self.registry, self.table, backend, peers, limits, self.offers)
         self.receiver = Receiver(self.registry, self.table, peers, limits, peer_address)
         self.accepting = True
@@ -240,11 +240,13 @@ class Broker:
     def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
         return self.receiver.take_notices(identity, notices)
 
-    def receive_offer(self, identity: PeerIdentity, sender_engine_id: str, command: Callable[[int], GrantOffer],
-                      epoch: int) -> None:
-        """An offer; the engine it names looked up (NOT_FOUND) before `command` converts its pages."""
+    def receive_offer(self, identity: PeerIdentity, sender_engine_id: str, pages: int,
+                      command: Callable[[int], GrantOffer], epoch: int) -> None:
+        """An offer; the engine it names looked up (NOT_FOUND) and its `pages` page ids held to the
+        caller's quotas and the total (RESOURCE_EXHAUSTED) before `command` converts its pages."""
         if sender_engine_id:
             self.registry.get(sender_engine_id)
+        self.offers.admit(identity, pages)
         offer = command(self.limits.max_pages_per_request)
         self._check_accepting()
         self.offers.receive_offer(identity, offer, epoch)

@@ -20,6 +20,11 @@ class Limits:
     peer_rpc_timeout_s: float
     offer_wait_s: float
     max_offers: int
+    max_offers_per_peer: int
+    max_offer_pages: int
+    max_offer_pages_per_peer: int
+    max_offer_bytes: int
+    max_offer_bytes_per_peer: int
     max_aux_bytes: int
     max_parts_per_request: int
     max_engines: int

@@ -1,7 +1,8 @@
 """The offered flow's intake on the sender side: grants receivers offer to this broker, until they end.
 
 Called by the Broker (the façade):
-- `receive_offer` (PeerService OfferGrant): the offer checked and kept in the OfferBook; one that
+- `admit`, `receive_offer` (PeerService OfferGrant): the offer's quotas checked before it is built
+  and none taken from this broker itself; the offer checked and kept in the OfferBook; one that
   names its engine becomes that engine's PENDING record at once (the server can watch it), and the
   handshake with the receiver is made ahead, so that no part waits for it.
 - `revoke` (PeerService RevokeOffer): the receiver withdraws its offer: the offer ends, the record
@@ -11,7 +12,8 @@ Called by the Broker (the façade):
   write runs.
 - `withdraw_all`, `close`: the broker stops.
 The parts written into the offers are the PartSender's (part_sender.py), which takes offers from
-`book` and reaches the receiver through `session_for`.
+`book`, the record each feeds from `record_for` (the other receivers' offers of the request end
+there), and reaches the receiver through `session_for` (dialled as the offering identity).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from kvbroker.core.errors import BrokerError, Code, clip, invalid, peer_code, pr
 from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import registered_pages
-from kvbroker.flows.offers import Offer, OfferBook
+from kvbroker.flows.offers import Offer, OfferBook, OfferQuota
 from kvbroker.flows.registry import Registry
 from kvbroker.flows.transfers import TransferRecord, TransferTable
 from kvbroker.peers.link import GrantOffer, PartNotice, PeerLink, PeerSession
@@ -36,16 +38,35 @@ log = logging.getLogger("kvbroker.transfer")
 
 
 class OfferIntake:
-    def __init__(self, registry: Registry, table: TransferTable, peers: PeerLink, limits: Limits) -> None:
+    def __init__(self, registry: Registry, table: TransferTable, peers: PeerLink, limits: Limits,
+                 broker_id: str = "", peer_address: str = "") -> None:
         self._registry = registry
         self._table = table
         self._peers = peers
         self._limits = limits
-        self.book = OfferBook(limits.max_offers, on_expired=self._expired)
+        self._broker_id = broker_id  # ours: an offer from ourselves is refused
+        self._peer_address = peer_address
+        quota = OfferQuota(limits.max_offers, limits.max_offers_per_peer, limits.max_offer_pages,
+                           limits.max_offer_pages_per_peer, limits.max_offer_bytes, limits.max_offer_bytes_per_peer)
+        self.book = OfferBook(quota, on_expired=self._expired)
         self._tasks = OwnedTasks()
+
+    def admit(self, identity: PeerIdentity, pages: int) -> None:
+        """Whether an offer of `pages` page ids from this peer fits its quotas, before it is built."""
+        self._refuse_own(identity, "")
+        self.book.admit(identity.name, pages)
+
+    def _refuse_own(self, identity: PeerIdentity, address: str) -> None:
+        """A broker never writes into its own engines through a peer handshake: no offer from itself."""
+        if identity.name == self._broker_id or (address and address == self._peer_address):
+            raise BrokerError(Code.PERMISSION_DENIED,
+                              f"broker_id: an offer from {identity.name[:128]!r} at {address[:128] or 'its address'} "
+                              "names this broker itself as the receiver; a broker never writes into its own "
+                              "engines through a peer")
 
     def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
         """Keep an offer; refused (and nothing kept) when it cannot be written here."""
+        self._refuse_own(identity, offer.peer_address)
         if offer.remaining_s > self._limits.max_grant_expiry_s:
             raise invalid(f"remaining_ms: {offer.remaining_s * 1000:.0f} exceeds this broker's limit of "
                           f"{self._limits.max_grant_expiry_s * 1000:.0f} (max_grant_expiry_s)")
@@ -59,13 +80,45 @@ class OfferIntake:
                      offer.sender_engine_id, offer.granted, offer.token, offer.generation,
                      loop.time() + offer.remaining_s)
         self.book.add(held)
-        if engine is not None:
+        if engine is not None and not self._held_by_rival(engine.engine_id, offer.request_id):
             try:
                 self.attach(held, engine.engine_id)
             except BrokerError:
                 self.book.end(held, precondition("offer refused"))
                 raise
         self._tasks.spawn(self._prefetch(held), f"handshake ahead {offer.request_id}")
+
+    def _held_by_rival(self, engine_id: str, request_id: str) -> bool:
+        """Whether the engine's live record of the request feeds another receiver's offer (which a
+        part naming this one's receiver may still take it from)."""
+        record = self._table.find(engine_id, request_id)
+        return record is not None and not record.state.terminal and isinstance(record.offer, Offer)
+
+    def record_for(self, offer: Offer, engine_id: str) -> TransferRecord:
+        """The sender record the offer a part took feeds: its own, the engine's record taken over from
+        another receiver's offer no part has written yet (FAILED_PRECONDITION once one has), or a new
+        one. The other receivers' offers of the request for this engine end: the part chose its
+        receiver, and they are told."""
+        record = offer.record
+        if record is None:
+            held = self._table.find(engine_id, offer.request_id)
+            if held is not None and not held.state.terminal and isinstance(held.offer, Offer):
+                rival = held.offer
+                if rival.next_part:
+                    raise precondition(f"receiver_broker_id: request {offer.request_id!r} is being sent to "
+                                       f"{rival.receiver_id!r} already; a part for {offer.receiver_id!r} cannot "
+                                       "join it")
+                rival.record, held.offer, offer.record, held.peer = None, offer, held, offer.receiver_address
+                record = held
+            else:
+                record = self.attach(offer, engine_id)
+        for rival in self.book.rivals(offer):
+            self.book.end(rival, precondition(f"request {offer.request_id!r}: the sender's part is for another "
+                                              "receiver"))
+            self._tasks.spawn(self._tell_failed(rival, int(Code.FAILED_PRECONDITION),
+                                                "the sender's part named another receiver for this request"),
+                              f"rival offer {offer.request_id}")
+        return record
 
     def attach(self, offer: Offer, engine_id: str) -> TransferRecord:
         """The sender's record of `offer` on engine `engine_id`, fed by its parts."""
@@ -76,10 +129,10 @@ class OfferIntake:
     async def session_for(self, offer: Offer, timeout: float) -> PeerSession:
         """The receiver's engine; a cached handshake from another epoch or generation than the
         offer's is refreshed. The broker there must be the one that offered."""
-        address, engine_id = offer.receiver_address, offer.engine_id
-        session = await self._peers.session(address, engine_id, refresh=False, timeout=timeout)
+        address, engine_id, expect = offer.receiver_address, offer.engine_id, offer.receiver_id
+        session = await self._peers.session(address, engine_id, refresh=False, timeout=timeout, expect=expect)
         if (session.epoch, session.generation) != (offer.receiver_epoch, offer.generation):
-            session = await self._peers.session(address, engine_id, refresh=True, timeout=timeout)
+            session = await self._peers.session(address, engine_id, refresh=True, timeout=timeout, expect=expect)
         if session.broker_id != offer.receiver_id:
             raise BrokerError(Code.ABORTED, f"the broker at {address} is {session.broker_id!r}, not "
                                             f"{offer.receiver_id!r} that offered grant {offer.request_id!r}")

@@ -4,7 +4,9 @@ The offers themselves (their intake, revocation, abort and end) are the OfferInt
 (offer_intake.py). Called by the Broker (the façade): `send_part` (Transfer without
 peer_address), one part, run as a task this object owns. Its phases:
 
-    offer    the offer for the request id (waiting up to offer_wait_s) and the record it feeds
+    offer    the offer for the request id from the part's receiver (receiver_broker_id; unnamed, the
+             one offer there is), waiting up to offer_wait_s, and the record it feeds; the other
+             receivers' offers of the request for this engine end
     session  the receiver's engine, from a cached or a new handshake (refreshed when the offer names
              another epoch or registry generation than the cached one)
     rules    every topology rule of topology.py for the part's components; the grant's pages
@@ -60,6 +62,7 @@ class PartCommand:
     pages: tuple[tuple[Component, np.ndarray, int], ...]  # (component, source pages, dst_offset)
     last: bool
     aux: bytes = b""
+    receiver_id: str = ""  # the receiving broker whose offer the part is for; empty: the one offer there is
 
 
 class _Refused(Exception):
@@ -141,7 +144,10 @@ class PartSender:
     async def _offer(self, job: _Part) -> tuple[Offer, TransferRecord]:
         """The offer this part writes into: held already, or waited for up to offer_wait_s."""
         cmd = job.cmd
-        offer = self._intake.book.find(cmd.request_id, cmd.engine_id)
+        try:
+            offer = self._intake.book.find(cmd.request_id, cmd.engine_id, cmd.receiver_id)
+        except BrokerError as exc:
+            raise _Refused(exc) from None
         if offer is None:
             record = self._table.find(cmd.engine_id, cmd.request_id)
             if record is not None and record.role is TransferRole.SENDER:
@@ -152,11 +158,16 @@ class PartSender:
                                                            f"flight on engine {cmd.engine_id!r} (the claimed flow)")
         try:
             wait_s = min(self._limits.offer_wait_s, job.left())
-            offer = await self._intake.book.take(cmd.request_id, cmd.engine_id, wait_s)
+            offer = await self._intake.book.take(cmd.request_id, cmd.engine_id, wait_s, cmd.receiver_id)
         except BrokerError as exc:
             raise _Refused(exc) from None
+        try:
+            record = self._intake.record_for(offer, cmd.engine_id)
+        except BrokerError as exc:
+            if exc.code is Code.FAILED_PRECONDITION:  # another receiver's offer is being written
+                raise _Refused(exc) from None
+            raise
         job.offer = offer
-        record = offer.record if offer.record is not None else self._intake.attach(offer, cmd.engine_id)
         job.record = record
         if record.state.terminal:
             raise _Refused(ended_error(record, "request"))

@@ -110,8 +110,11 @@ class Receiver:
     async def _offer(self, record: TransferRecord, generation: int, expiry_s: float) -> None:
         """Offer the grant to its sender; the grant fails with the offer."""
         offered = record.offered
+        # The offer lives no longer than the grant: what is left of it now, not what was asked for.
         offer = GrantOffer(self._peer_address, record.engine_id, record.request_id, offered.sender_engine_id,
-                           dict(record.granted), expiry_s, offered.token, generation)
+                           dict(record.granted), min(expiry_s, self._table.remaining_s(record)), offered.token,
+                           generation)
+        failure = None
         try:
             sender_id, epoch = await self._peers.offer(offered.sender_address, offer,
                                                        timeout=self._limits.peer_rpc_timeout_s)
@@ -119,17 +122,23 @@ class Receiver:
             # The sender answered a refusal: it holds nothing to revoke. Silence (UNAVAILABLE) may hide an
             # offer that arrived, so that one is revoked when the grant fails here.
             offered.sender_failed = exc.code is not Code.UNAVAILABLE
-            message = f"the offer to the sender broker at {offered.sender_address} failed: {exc.message}"
-            self._table.fail(record, exc.code, message)
-            raise BrokerError(exc.code, message) from None
+            failure = BrokerError(exc.code, f"the offer to the sender broker at {offered.sender_address} failed: "
+                                            f"{exc.message}")
+            self._table.fail(record, failure.code, failure.message)
         finally:
             offered.offered.set()
-        if offered.sender_id and offered.sender_id != sender_id:
-            self._table.fail(record, Code.PERMISSION_DENIED,
-                             f"the broker at {offered.sender_address} answered as {sender_id!r}, but "
-                             f"{offered.sender_id!r} reported parts of the grant")
-        offered.sender_id, offered.sender_epoch = sender_id, epoch
-        if record.state is TransferState.FAILED or record.ending is not None:  # cancelled or expired meanwhile
+        if failure is None:
+            if offered.sender_id and offered.sender_id != sender_id:
+                self._table.fail(record, Code.PERMISSION_DENIED,
+                                 f"the broker at {offered.sender_address} answered as {sender_id!r}, but "
+                                 f"{offered.sender_id!r} reported parts of the grant")
+            offered.sender_id, offered.sender_epoch = sender_id, epoch
+        if record.state is TransferState.FAILED or record.ending is not None:  # failed, cancelled or expired
+            # Only once the grant has ended (its revocation answered, or given up on) does the caller hear
+            # of the failure: no page it may reuse then can still be written, and the id is free again.
+            await self._table.ended([record], timeout=self._limits.peer_rpc_timeout_s * 2)
+            if failure is not None:
+                raise failure
             raise BrokerError(peer_code(record.code), record.reason)
 
     def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: tuple[Component, ...],

@@ -235,6 +235,9 @@ class TransferTable:
         record.timer = asyncio.get_running_loop().call_later(expiry_s, self._expire, record)
         return record
 
+    def remaining_s(self, record: TransferRecord) -> float:  # what is left of a grant's lifetime, seconds
+        return max(0.0, record.expires_at - self._clock()) if record.expires_at is not None else 0.0
+
     def add_send(self, engine_id: str, request_id: str, components: tuple[Component, ...],
                  peer: str = "") -> TransferRecord:
         return self._add(TransferRecord(request_id, engine_id, TransferRole.SENDER, components, self._clock(),

@@ -75,6 +75,7 @@ def query(address: str, timeout_s: float = 5.0) -> dict:
         "backend": info.backend,
         "peer_address": info.peer_address,
         "peers_authenticated": info.peers_authenticated,
+        "warnings": [] if info.peers_authenticated else [UNAUTHENTICATED_WARNING],
         "peer_allow": list(info.peer_allow),
         "engines": [_engine(e) for e in info.engines],
         "peers": [{"address": p.address, "broker_id": p.broker_id, "epoch": p.epoch, "handshakes": p.handshakes}
@@ -83,6 +84,11 @@ def query(address: str, timeout_s: float = 5.0) -> dict:
         "sessions": [{"session_id": x.session_id, "holder": x.holder, "engine_ids": list(x.engine_ids),
                       "opened": _utc(x.opened_unix_ms)} for x in info.sessions],
     }
+
+
+UNAUTHENTICATED_WARNING = ("no mutual TLS on the peer port: any host that reaches it may offer, squat request "
+                           "ids, act as a confused deputy and, with a sniffed token, complete or revoke grants "
+                           "(README, Security)")
 
 
 def _utc(unix_ms: int) -> str:
@@ -101,7 +107,10 @@ def render(status: dict) -> str:
              f"health        {status['health']} at {status['address']}",
              f"peer address  {status['peer_address']}",
              f"peers         {'authenticated (mutual TLS)' if status['peers_authenticated'] else 'NOT authenticated'}"
-             f", admitting {', '.join(status['peer_allow']) or '*'}", ""]
+             f", admitting {', '.join(status['peer_allow']) or '*'}"]
+    if not status["peers_authenticated"]:
+        lines.append(f"WARNING       {UNAUTHENTICATED_WARNING}")
+    lines.append("")
     rows = []
     for e in status["engines"]:
         t = e["topology"]

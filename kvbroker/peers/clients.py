@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,12 +44,12 @@ from kvbroker.peers.channels import PeerChannels
 from kvbroker.peers.idle import IdlePeers
 from kvbroker.peers.link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
 from kvbroker.peers.notifier import Notifier
+from kvbroker.peers.vouch import TLS_FAILURE, Vouch, closed_under
 from kvbroker.peers.wire import from_rpc_error
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
 
-_TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
 
 
@@ -94,6 +93,7 @@ class PeerClients:
         self._epoch = epoch
         self._backend = backend
         self._channels = PeerChannels(channel_options, credentials, rpc_timeout_s, self._track)
+        self._vouch = Vouch(broker_id, epoch, backend, self._channels)  # who answered: not us, and certified
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
@@ -120,9 +120,9 @@ class PeerClients:
         return [self._sessions.pop(k).peer_handle for k in [k for k in self._sessions if k[0] == address]]
 
     def forget(self, address: str) -> None:
-        """Drop what is cached of a peer; the next call reconnects and handshakes again."""
+        """Drop what is cached of a peer; the next call reconnects (calls under way end by their deadlines)."""
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
-        self._channels.close(address)
+        self._channels.close(address, grace=self._channels.grace_s + 1.0)
 
     def _writing_through(self, address: str) -> bool:
         """Whether the transfer engine writes through one of the address's handles."""
@@ -132,7 +132,7 @@ class PeerClients:
     def _forget_idle(self, address: str, idle: float) -> None:
         handles = self._pop_sessions(address) + self._parked.pop(address, [])
         self._disconnect(handles)
-        self._channels.close(address)
+        self._channels.close(address, forget=True)
         record = self.records.pop(address, None)
         log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
                                                 "idle_s": round(idle, 3), "handshakes_given_back": len(handles)})
@@ -147,6 +147,8 @@ class PeerClients:
             if self._limits is not None and (refusal := self._limits.check_lists(reply)) is not None:
                 raise BrokerError(Code.RESOURCE_EXHAUSTED, f"peer broker {address}: {method} answer: {refusal.message}")
             return reply
+        except asyncio.CancelledError as exc:  # grpc cancels a channel's calls when it closes: a peer failure
+            raise closed_under(exc, address, method) from None
         except grpc.aio.AioRpcError as exc:
             # DEADLINE_EXCEEDED is ours when our deadline passed; before it, the peer said it (an expired grant).
             silent = exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and loop.time() >= deadline - 0.001
@@ -154,14 +156,16 @@ class PeerClients:
                 self.forget(address)
             if silent:
                 raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: no answer within {timeout:.3f}s") from None
-            if exc.code() is grpc.StatusCode.UNAVAILABLE and _TLS_FAILURE.search(exc.details() or ""):
+            if exc.code() is grpc.StatusCode.UNAVAILABLE and TLS_FAILURE.search(exc.details() or ""):
                 raise BrokerError(Code.PERMISSION_DENIED,
                                   f"peer broker {address}: TLS authentication failed: {exc.details()}") from None
             raise from_rpc_error(exc, f"peer broker {address}") from None
         finally:
             self._idle.end(address)
 
-    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession:
+    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float,
+                      expect: str = "") -> PeerSession:
+        self._channels.dial_as(address, expect)  # TLS refuses a certificate without it; answers must give it
         self._idle.begin(address)
         try:
             return await self._session(address, engine_id, refresh, timeout)
@@ -200,6 +204,7 @@ class PeerClients:
                                        backend=self._backend.name)
         sent = next(self._sent)
         reply = await self._rpc(address, "Handshake", request, timeout)
+        await self._vouch.check(address, reply.broker_id, timeout, reply.backend_metadata)
         try:
             engine = wire.engine_layout_in(reply.engine)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
@@ -252,16 +257,13 @@ class PeerClients:
             succeeded=status.state is not TransferState.FAILED, code=status.code, reason=status.reason,
             pages=status.pages, runs=status.runs, bytes=status.bytes, truncated_pages=status.truncated_pages,
         )
-        reply = await self._rpc(address, "CompleteTransfer", request, timeout)
-        try:
-            return TransferState(reply.state)
-        except ValueError:
-            raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {reply.state} "
-                                            f"for the grant") from None
+        return wire.completion_state_in((await self._rpc(address, "CompleteTransfer", request, timeout)).state,
+                                        address)
 
     async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
         reply = await self._rpc(address, "OfferGrant", wire.grant_offer_out(offer, self._broker_id, self._epoch),
                                 timeout)
+        await self._vouch.check(address, reply.broker_id, timeout)
         return reply.broker_id, reply.epoch
 
     async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,

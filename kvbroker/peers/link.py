@@ -78,7 +78,11 @@ class PartAck:
 
 
 class PeerLink(Protocol):
-    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float) -> PeerSession: ...
+    async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float,
+                      expect: str = "") -> PeerSession:
+        """A handshake with `engine_id` at `address`; with `expect`, the broker answering must be that
+        identity (under peer TLS: its certificate names it)."""
+        ...
 
     async def claim(self, session: PeerSession, request_id: str, components: Sequence[Component],
                     dst_page_ids: np.ndarray, timeout: float) -> ClaimResult: ...

@@ -160,6 +160,15 @@ def part_ack_out(ack: PartAck) -> ppb.PartAck:
     return ppb.PartAck(state=0 if ack.state is None else int(ack.state), code=ack.code, reason=ack.reason)
 
 
+def completion_state_in(state: int, address: str) -> TransferState:
+    """A CompleteTransfer answer's state: one of ours, else ABORTED (the receiver is broken)."""
+    try:
+        return TransferState(state)
+    except ValueError:
+        raise BrokerError(Code.ABORTED, f"peer broker {address}: receiver reports unknown state {state} "
+                                        "for the grant") from None
+
+
 def part_ack_in(ack: ppb.PartAck, address: str) -> PartAck:
     try:
         state = None if ack.state == 0 else TransferState(ack.state)

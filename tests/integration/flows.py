@@ -70,11 +70,12 @@ async def offer(dst, src, request_id, pages: dict, *, sender_engine=True, expiry
         timeout=timeout)
 
 
-async def part(src, request_id, pages: dict, *, offsets=None, last=True, aux=b"", timeout=30):
-    """One Transfer of the offered flow: no peer address, source pages per component."""
+async def part(src, request_id, pages: dict, *, offsets=None, last=True, aux=b"", receiver="", timeout=30):
+    """One Transfer of the offered flow: no peer address, source pages per component (for the
+    offer of `receiver`, a broker id, when given)."""
     offsets = offsets or {}
     return await src.stub.Transfer(bpb.TransferRequest(
-        request_id=request_id, engine_id=src.engine_id, more_parts=not last, aux=aux,
+        request_id=request_id, engine_id=src.engine_id, more_parts=not last, aux=aux, receiver_broker_id=receiver,
         pages=[bpb.PartPages(component=k, src_page_ids=list(map(int, v)), dst_offset=offsets.get(k, 0))
                for k, v in pages.items()]), timeout=timeout)
 

@@ -217,6 +217,8 @@ async def test_status_prints_engines_peers_and_counters(observed, engines, reque
     assert code == 0, err
     assert "health        SERVING" in out and "obs-prefill" in out
     assert "peers         NOT authenticated, admitting *" in out  # a plaintext peer port says so
+    assert any(line.startswith("WARNING") and "squat" in line and "confused deputy" in line
+               for line in out.splitlines())
     engine_row = next(line for line in out.splitlines() if line.startswith(src.engine_id))
     assert "MAIN_KV" in engine_row and "KV_SPLIT" in engine_row
     assert any(line.split()[:1] == ["MINIMAX_INDEX_K"] for line in out.splitlines())
@@ -233,6 +235,7 @@ async def test_status_json_reads_the_listen_setting(observed, engines, request_i
     assert status["broker_id"] == "obs-prefill" and status["health"] == "SERVING"
     assert status["backend"] == "nixl" and status["peer_address"] == observed.prefill.peer_address
     assert status["peers_authenticated"] is False and status["peer_allow"] == ["*"]
+    assert len(status["warnings"]) == 1 and "mutual TLS" in status["warnings"][0]
     (engine,) = [e for e in status["engines"] if e["engine_id"] == src.engine_id]
     assert [c["component"] for c in engine["components"]] == ["MAIN_KV", "MINIMAX_INDEX_K"]
     assert engine["registered_bytes"] == sum(c["bytes"] for c in engine["components"])

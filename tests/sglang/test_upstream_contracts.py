@@ -12,6 +12,7 @@ deferred decode KV release run end to end on real brokers: test_end_to_end.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -108,8 +109,11 @@ async def test_a_missing_room_is_failed_without_resurrecting_it(sglang_ranks, br
 def test_frames_round_trip_and_foreign_frames_are_refused():
     registration = Registration("127.0.0.1:5000", "127.0.0.1:50062", "decode-0/tp0", 1, 0, (64, 64, 8))
     assert Registration.from_frames(registration.to_frames()) == registration
-    metadata = Metadata(2**62 + 5, "127.0.0.1:5000", "decode-0/tp0", 1, 8, False)
+    metadata = Metadata(2**62 + 5, "127.0.0.1:5000", "decode-0/tp0", 1, 8, False, "decode-broker-0")
     assert Metadata.from_frames(metadata.to_frames()) == metadata
+    older = json.loads(metadata.to_frames()[2])
+    del older["broker_id"]  # a decode of the version before names no broker: prefill's parts name none
+    assert Metadata.from_frames([*metadata.to_frames()[:2], json.dumps(older).encode()]).broker_id == ""
     with pytest.raises(WireError, match="expected"):
         Metadata.from_frames(registration.to_frames())
     with pytest.raises(WireError, match="version"):

@@ -31,6 +31,7 @@ class FakeBackend(Backend):
     async def register(self, regions): return object()
     async def deregister(self, handle) -> None: ...
     async def metadata(self) -> bytes: return b"meta"
+    def is_own(self, metadata: bytes) -> bool: return metadata == b"meta"
     async def connect(self, metadata: bytes): return object()
     async def disconnect(self, handle) -> None: ...
     async def write(self, peer, descriptors, timeout: float) -> None: ...
@@ -46,7 +47,7 @@ class FakePeers:
         self.notices: list[tuple[str, PartNotice]] = []
         self.asked = asyncio.Event()
 
-    async def session(self, address, engine_id, *, refresh, timeout):
+    async def session(self, address, engine_id, *, refresh, timeout, expect=""):
         self.sessions.append((address, engine_id))
         self.asked.set()
         raise BrokerError(Code.UNAVAILABLE, f"peer broker {address}: not reachable (fake)")
@@ -88,7 +89,7 @@ async def test_an_unknown_engine_is_not_found_before_any_page_list_is_converted(
             await call
         assert info.value.code is Code.NOT_FOUND and "nope" in info.value.message
     assert refusal(broker.claim, DECODE, "nope", "r1", never).code is Code.NOT_FOUND
-    assert refusal(broker.receive_offer, DECODE, "nope", never, 3).code is Code.NOT_FOUND
+    assert refusal(broker.receive_offer, DECODE, "nope", 4, never, 3).code is Code.NOT_FOUND
 
 
 async def test_a_handshake_for_another_backend_names_the_rule(domain):
@@ -104,7 +105,7 @@ def grant_offer(request_id="r1", token=TOKEN) -> GrantOffer:
 
 async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_token(domain):
     broker, peers = domain
-    broker.receive_offer(DECODE, "", lambda max_pages: grant_offer(), 3)
+    broker.receive_offer(DECODE, "", 4, lambda max_pages: grant_offer(), 3)
     offer = broker.offers.book.by_receiver("decode-1", "d0", "r1")
     assert offer is not None and offer.ended is None
     await asyncio.wait_for(peers.asked.wait(), 5)  # the handshake made ahead, for the first part
@@ -118,12 +119,12 @@ async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_tok
 
 async def test_the_drain_withdraws_held_offers_and_tells_each_receiver(domain):
     broker, peers = domain
-    broker.receive_offer(DECODE, "", lambda max_pages: grant_offer("r2"), 3)
+    broker.receive_offer(DECODE, "", 4, lambda max_pages: grant_offer("r2"), 3)
     await broker.drain(grace_s=0.1)
     [(address, notice)] = peers.notices
     assert address == "127.0.0.1:2" and notice.request_id == "r2" and not notice.succeeded
     assert notice.code == Code.UNAVAILABLE and "shut down" in notice.reason
-    assert refusal(broker.receive_offer, DECODE, "", lambda max_pages: grant_offer("r3"), 3).code is Code.UNAVAILABLE
+    assert refusal(broker.receive_offer, DECODE, "", 4, lambda max_pages: grant_offer("r3"), 3).code is Code.UNAVAILABLE
 
 
 async def test_a_notice_for_a_grant_this_broker_does_not_hold_is_not_found(domain):

@@ -1,4 +1,5 @@
-"""The OfferBook: offers found by request id and engine, waited for with a bound, ended once."""
+"""The OfferBook: offers found by request id, receiver and engine, waited for with a bound, ended
+once, held to quotas per receiver identity and in total; PeerCalls, the peer servicer's call quota."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import pytest
 
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.model import Component
-from kvbroker.flows.offers import Offer, OfferBook
+from kvbroker.edge.trust import PeerCalls
+from kvbroker.flows.offers import Offer, OfferBook, OfferQuota, offer_bytes
 
 MAIN = Component.MAIN_KV
 
 
-def offer(request_id="r1", sender_engine_id="", expires_in=30.0) -> Offer:
+def offer(request_id="r1", sender_engine_id="", expires_in=30.0, receiver="decode-0", pages=4) -> Offer:
     now = asyncio.get_running_loop().time()
-    return Offer("127.0.0.1:1", "decode-0", 7, "decode/e", request_id, sender_engine_id, {MAIN: np.arange(4)},
+    return Offer("127.0.0.1:1", receiver, 7, "decode/e", request_id, sender_engine_id, {MAIN: np.arange(pages)},
                  "t" * 32, 1, now + expires_in)
 
 
@@ -98,3 +100,53 @@ async def test_close_wakes_a_waiting_taker_with_unavailable():
     with pytest.raises(BrokerError) as info:
         await asyncio.wait_for(waiting, 5)
     assert info.value.code is Code.UNAVAILABLE
+
+
+async def test_two_receivers_offers_of_one_request_id_are_kept_apart():
+    book = OfferBook(8)
+    squat, real = offer(receiver="decode-squat"), offer(receiver="decode-real")
+    book.add(squat)
+    book.add(real)  # another key: not ALREADY_EXISTS
+    with pytest.raises(BrokerError) as info:
+        book.add(offer(receiver="decode-real", sender_engine_id="prefill/e0"))
+    assert info.value.code is Code.ALREADY_EXISTS  # the same receiver's offer naming no engine covers it
+    with pytest.raises(BrokerError) as ambiguous:
+        book.find("r1", "prefill/e0")
+    assert ambiguous.value.code is Code.FAILED_PRECONDITION and "receiver_broker_id" in ambiguous.value.message
+    assert await book.take("r1", "prefill/e0", timeout=0, receiver_id="decode-real") is real
+    assert book.rivals(real) == [squat]
+    book.end(squat, BrokerError(Code.FAILED_PRECONDITION, "lost"))
+    assert book.find("r1", "prefill/e0") is real  # one left: a part naming no receiver takes it
+
+
+async def test_quotas_per_receiver_and_in_total_name_their_setting():
+    quota = OfferQuota(max_offers=100, max_offers_per_peer=100, max_offer_pages=10, max_offer_pages_per_peer=6,
+                       max_offer_bytes=1 << 30, max_offer_bytes_per_peer=offer_bytes(4) + offer_bytes(1))
+    book = OfferBook(quota)
+    book.add(offer("a", receiver="p", pages=4))
+    for pages, name in ((3, "max_offer_pages_per_peer"), (2, "max_offer_bytes_per_peer")):
+        with pytest.raises(BrokerError) as info:
+            book.admit("p", pages)
+        assert info.value.code is Code.RESOURCE_EXHAUSTED and f"({name})" in info.value.message
+    book.add(offer("b", receiver="q", pages=6))
+    with pytest.raises(BrokerError) as total:
+        book.add(offer("c", receiver="r", pages=1))
+    assert "(max_offer_pages)" in total.value.message and book.held() == (2, 10, offer_bytes(4) + offer_bytes(6))
+    book.end(book.find("b", "e", "q"), BrokerError(Code.CANCELLED, "gone"))
+    assert book.held("q") == (0, 0, 0)
+    book.add(offer("c", receiver="r", pages=1))  # room again once one ended
+
+
+def test_peer_calls_are_bounded_per_identity_and_in_total():
+    calls = PeerCalls(total=3, per_peer=2)
+    calls.enter("a")
+    calls.enter("a")
+    with pytest.raises(BrokerError) as mine:
+        calls.enter("a")
+    assert mine.value.code is Code.RESOURCE_EXHAUSTED and "max_peer_calls_per_peer" in mine.value.message
+    calls.enter("b")
+    with pytest.raises(BrokerError) as total:
+        calls.enter("c")
+    assert "(max_peer_calls)" in total.value.message
+    calls.leave("a")
+    calls.enter("c")

@@ -296,7 +296,7 @@ class BrokerClient:
     async def transfer_part(self, engine_id: str, request_id: str,
                             src_pages: Mapping[ComponentLike, PageIds] | None = None, *, last: bool | None = None,
                             dst_offsets: Mapping[ComponentLike, int] | None = None, aux: bytes = b"",
-                            timeout: float | None = None,
+                            receiver_broker_id: str = "", timeout: float | None = None,
                             pages: Mapping[ComponentLike, PageIds] | None = None) -> TransferStatus:
         """Sender side of the offered flow: write one part of a grant the receiver offered to this
         broker; returns once the receiver was told (after the last part: the request's final state).
@@ -305,7 +305,9 @@ class BrokerClient:
         that component from entry `dst_offsets[component]` (0 when not given). `last` says whether
         this is the last part (`last=False` for every chunk that more follow); the last part may
         carry `aux` bytes for the receiver. If the offer has not reached this broker yet, the broker
-        waits for it (bounded by its offer_wait_s).
+        waits for it (bounded by its offer_wait_s). `receiver_broker_id` names the receiving broker
+        (its broker id) whose offer the part is for; empty takes the one offer for the request id,
+        refused while several receivers offered it.
 
         Deprecated, kept for a release: `pages=` (now `src_pages=`), and leaving out `last` (it
         meant last=True); each warns (DeprecationWarning).
@@ -326,6 +328,7 @@ class BrokerClient:
             raise InvalidArgument(f"dst_offsets: {', '.join(stray)} not in src_pages")
         request = bpb.TransferRequest(
             request_id=request_id, engine_id=engine_id, more_parts=not last, aux=bytes(aux),
+            receiver_broker_id=receiver_broker_id,
             pages=[bpb.PartPages(component=int(Component.of(c)),
                                  src_page_ids=_page_ids(ids, f"src_pages[{Component.of(c).name}]"),
                                  dst_offset=offsets.get(Component.of(c), 0))

@@ -142,6 +142,7 @@ class KvbrokerKVManager(CommonKVManager):
         self.client: BrokerClient | None = None
         self.engine_id = ""
         self.broker_address = ""
+        self.broker_id = ""  # ours, told to prefill in each Metadata frame: its parts name this receiver
         self._rooms: dict[int, _Room] = {}
         self._rooms_lock = threading.RLock()
         self._stopping = threading.Event()
@@ -176,17 +177,18 @@ class KvbrokerKVManager(CommonKVManager):
         self.loop = LoopThread(f"kvbroker {self.engine_id}")
         timeout = self.settings.connect_timeout_s
 
-        async def connect() -> tuple[BrokerClient, str]:
+        async def connect() -> tuple[BrokerClient, tuple[str, str]]:
             client = await BrokerClient.connect(self.settings.address, timeout=timeout,
                                                 holder=f"sglang {mode} {self.engine_id} pid {os.getpid()}")
             try:
                 await client.register_engine(self.engine_id, topology, components)
-                return client, (await client.info()).peer_address
+                info = await client.info()
+                return client, (info.peer_address, info.broker_id)
             except BaseException:
                 await client.close()
                 raise
 
-        self.client, self.broker_address = self.loop.run(connect(), timeout=timeout + 5)
+        self.client, (self.broker_address, self.broker_id) = self.loop.run(connect(), timeout=timeout + 5)
         log.info("kvbroker: engine %s registered with the broker at %s (peer address %s): %s", self.engine_id,
                  self.settings.address, self.broker_address,
                  ", ".join(f"{c.component.name} {len(c.layer_buffers)} buffers" for c in components))
@@ -240,7 +242,8 @@ class KvbrokerKVManager(CommonKVManager):
     def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index,
                                         state_indices, decode_prefix_len, is_dummy, device_kv_indices=None):
         return Metadata(int(bootstrap_room), f"{self.local_ip}:{self.rank_port}", self.engine_id,
-                        int(required_dst_info_num), int(decode_prefix_len or 0), bool(is_dummy)).to_frames()
+                        int(required_dst_info_num), int(decode_prefix_len or 0), bool(is_dummy),
+                        self.broker_id).to_frames()
 
     # -- request state, shared by the scheduler, the control thread and the loop ----------------
     def room(self, room: int) -> _Room:
@@ -487,9 +490,10 @@ class KvbrokerKVManager(CommonKVManager):
             if part.wait_event is not None:  # SGLang's early send: the forward may still write these pages
                 await asyncio.to_thread(part.wait_event.synchronize)
             offsets = {Component.MAIN_KV: part.dst_offset} if Component.MAIN_KV in part.pages else {}
+            receiver = next((i.broker_id for i in self.transfer_infos.get(room, {}).values() if not i.is_dummy), "")
             try:
                 status = await self.client.transfer_part(self.engine_id, str(room), part.pages, dst_offsets=offsets,
-                                                         last=part.last, aux=part.aux,
+                                                         last=part.last, aux=part.aux, receiver_broker_id=receiver,
                                                          timeout=self.settings.call_timeout_s)
             except BrokerError as exc:
                 self.fail(room, *_failure(exc))

@@ -7,7 +7,8 @@ broker already holds: the decode's cached prefix, which sets where prefill start
     Registration  once per (decode rank, prefill rank): decode's control endpoint, broker peer
                   address, engine id, attention TP, aux row lengths
     Metadata      once per request, after decode's broker has offered the grant: the room, how many
-                  decode ranks take part, decode_prefix_len, whether this prefill rank only pretends
+                  decode ranks take part, decode_prefix_len, whether this prefill rank only pretends,
+                  and decode's broker id, which prefill's parts name as their receiver
 
 Each frame is a list of byte strings whose first is the tag; `from_frames` refuses anything else.
 """
@@ -71,6 +72,7 @@ class Metadata:
     required_dst_info_num: int  # decode ranks that send metadata for this room to this prefill rank
     decode_prefix_len: int  # tokens decode already holds; prefill starts sending after them
     is_dummy: bool  # this prefill rank sends nothing for the room (MLA with prefill TP > decode TP)
+    broker_id: str = ""  # decode's broker: prefill's parts name it (receiver_broker_id); "" from older decodes
 
     def to_frames(self) -> list[bytes]:
         return [METADATA_TAG, str(WIRE_VERSION).encode(), json.dumps(asdict(self)).encode()]
@@ -80,6 +82,7 @@ class Metadata:
         body = _decode(frames, METADATA_TAG)
         try:
             return cls(int(body["room"]), str(body["endpoint"]), str(body["engine_id"]),
-                       int(body["required_dst_info_num"]), int(body["decode_prefix_len"]), bool(body["is_dummy"]))
+                       int(body["required_dst_info_num"]), int(body["decode_prefix_len"]), bool(body["is_dummy"]),
+                       str(body.get("broker_id", "")))
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"metadata frame: {exc!r}") from None

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from kvbroker_client.v1 import common_pb2 as kvbroker_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvbroker/v1/broker_service.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"$\n\x12OpenSessionRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\")\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xea\x01\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x36\n\x10memory_ownership\x18\x04 \x01(\x0e\x32\x1c.kvbroker.v1.MemoryOwnership\x12\x19\n\x11\x61llocation_device\x18\x05 \x01(\r\x12\x12\n\nsession_id\x18\x06 \x01(\t\"A\n\x16RegisterEngineResponse\x12\'\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.EngineInfo\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"3\n\x18UnregisterEngineResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"\xf1\x01\n\x15\x45xpectTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\ncomponents\x18\x03 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\r\x12\x11\n\texpiry_ms\x18\x05 \x01(\r\x12*\n\x05pages\x18\x06 \x03(\x0b\x32\x1b.kvbroker.v1.ComponentPages\x12\x16\n\x0esender_address\x18\x07 \x01(\t\x12\x18\n\x10sender_engine_id\x18\x08 \x01(\t\"E\n\x16\x45xpectTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\x88\x02\n\x0fTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x04 \x01(\t\x12*\n\ncomponents\x18\x05 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0csrc_page_ids\x18\x06 \x03(\r\x12\x14\n\x0c\x64st_page_ids\x18\x07 \x03(\r\x12%\n\x05pages\x18\x08 \x03(\x0b\x32\x16.kvbroker.v1.PartPages\x12\x12\n\nmore_parts\x18\t \x01(\x08\x12\x0b\n\x03\x61ux\x18\n \x01(\x0c\"`\n\tPartPages\x12)\n\tcomponent\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0csrc_page_ids\x18\x02 \x03(\r\x12\x12\n\ndst_offset\x18\x03 \x01(\r\"?\n\x10TransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"=\n\x14WatchTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"D\n\x15WatchTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"N\n\x15\x43\x61ncelTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"E\n\x16\x43\x61ncelTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\x16\n\x14GetBrokerInfoRequest\"\xa3\x03\n\x15GetBrokerInfoResponse\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12(\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x17.kvbroker.v1.EngineInfo\x12$\n\x05peers\x18\x07 \x03(\x0b\x32\x15.kvbroker.v1.PeerInfo\x12M\n\x0erequest_counts\x18\x08 \x03(\x0b\x32\x35.kvbroker.v1.GetBrokerInfoResponse.RequestCountsEntry\x12*\n\x08sessions\x18\t \x03(\x0b\x32\x18.kvbroker.v1.SessionInfo\x12\x1b\n\x13peers_authenticated\x18\n \x01(\x08\x12\x12\n\npeer_allow\x18\x0b \x03(\t\x1a\x34\n\x12RequestCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"]\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x12\n\nengine_ids\x18\x03 \x03(\t\x12\x16\n\x0eopened_unix_ms\x18\x04 \x01(\x04\"\xde\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x36\n\x10memory_ownership\x18\x05 \x01(\x0e\x32\x1c.kvbroker.v1.MemoryOwnership\x12\x12\n\nsession_id\x18\x06 \x01(\t\"Q\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nhandshakes\x18\x04 \x01(\x04\"\xcb\x02\n\x0eTransferStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.kvbroker.v1.TransferRole\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.kvbroker.v1.TransferState\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05pages\x18\x07 \x01(\r\x12\x0c\n\x04runs\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x17\n\x0ftruncated_pages\x18\n \x01(\r\x12\x13\n\x0b\x64uration_us\x18\x0b \x01(\x04\x12*\n\ncomponents\x18\x0c \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x0b\n\x03\x61ux\x18\r \x01(\x0c\x12\r\n\x05parts\x18\x0e \x01(\r*m\n\x0fMemoryOwnership\x12 \n\x1cMEMORY_OWNERSHIP_UNSPECIFIED\x10\x00\x12\x1b\n\x17MEMORY_OWNERSHIP_SERVER\x10\x01\x12\x1b\n\x17MEMORY_OWNERSHIP_BROKER\x10\x02\x32\xd0\x05\n\rBrokerService\x12R\n\x0bOpenSession\x12\x1f.kvbroker.v1.OpenSessionRequest\x1a .kvbroker.v1.OpenSessionResponse0\x01\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12Y\n\x0e\x45xpectTransfer\x12\".kvbroker.v1.ExpectTransferRequest\x1a#.kvbroker.v1.ExpectTransferResponse\x12G\n\x08Transfer\x12\x1c.kvbroker.v1.TransferRequest\x1a\x1d.kvbroker.v1.TransferResponse\x12X\n\rWatchTransfer\x12!.kvbroker.v1.WatchTransferRequest\x1a\".kvbroker.v1.WatchTransferResponse0\x01\x12Y\n\x0e\x43\x61ncelTransfer\x12\".kvbroker.v1.CancelTransferRequest\x1a#.kvbroker.v1.CancelTransferResponse\x12V\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\".kvbroker.v1.GetBrokerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n kvbroker/v1/broker_service.proto\x12\x0bkvbroker.v1\x1a\x18kvbroker/v1/common.proto\"$\n\x12OpenSessionRequest\x12\x0e\n\x06holder\x18\x01 \x01(\t\")\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xea\x01\n\x15RegisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x36\n\x10memory_ownership\x18\x04 \x01(\x0e\x32\x1c.kvbroker.v1.MemoryOwnership\x12\x19\n\x11\x61llocation_device\x18\x05 \x01(\r\x12\x12\n\nsession_id\x18\x06 \x01(\t\"A\n\x16RegisterEngineResponse\x12\'\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x17.kvbroker.v1.EngineInfo\",\n\x17UnregisterEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"3\n\x18UnregisterEngineResponse\x12\x17\n\x0f\x66\x61iled_requests\x18\x01 \x01(\r\"\xf1\x01\n\x15\x45xpectTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\ncomponents\x18\x03 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0c\x64st_page_ids\x18\x04 \x03(\r\x12\x11\n\texpiry_ms\x18\x05 \x01(\r\x12*\n\x05pages\x18\x06 \x03(\x0b\x32\x1b.kvbroker.v1.ComponentPages\x12\x16\n\x0esender_address\x18\x07 \x01(\t\x12\x18\n\x10sender_engine_id\x18\x08 \x01(\t\"E\n\x16\x45xpectTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\xa4\x02\n\x0fTransferRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x18\n\x10remote_engine_id\x18\x04 \x01(\t\x12*\n\ncomponents\x18\x05 \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0csrc_page_ids\x18\x06 \x03(\r\x12\x14\n\x0c\x64st_page_ids\x18\x07 \x03(\r\x12%\n\x05pages\x18\x08 \x03(\x0b\x32\x16.kvbroker.v1.PartPages\x12\x12\n\nmore_parts\x18\t \x01(\x08\x12\x0b\n\x03\x61ux\x18\n \x01(\x0c\x12\x1a\n\x12receiver_broker_id\x18\x0b \x01(\t\"`\n\tPartPages\x12)\n\tcomponent\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.Component\x12\x14\n\x0csrc_page_ids\x18\x02 \x03(\r\x12\x12\n\ndst_offset\x18\x03 \x01(\r\"?\n\x10TransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"=\n\x14WatchTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"D\n\x15WatchTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"N\n\x15\x43\x61ncelTransferRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"E\n\x16\x43\x61ncelTransferResponse\x12+\n\x06status\x18\x01 \x01(\x0b\x32\x1b.kvbroker.v1.TransferStatus\"\x16\n\x14GetBrokerInfoRequest\"\xa3\x03\n\x15GetBrokerInfoResponse\x12\x11\n\tbroker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x04 \x01(\t\x12\x14\n\x0cpeer_address\x18\x05 \x01(\t\x12(\n\x07\x65ngines\x18\x06 \x03(\x0b\x32\x17.kvbroker.v1.EngineInfo\x12$\n\x05peers\x18\x07 \x03(\x0b\x32\x15.kvbroker.v1.PeerInfo\x12M\n\x0erequest_counts\x18\x08 \x03(\x0b\x32\x35.kvbroker.v1.GetBrokerInfoResponse.RequestCountsEntry\x12*\n\x08sessions\x18\t \x03(\x0b\x32\x18.kvbroker.v1.SessionInfo\x12\x1b\n\x13peers_authenticated\x18\n \x01(\x08\x12\x12\n\npeer_allow\x18\x0b \x03(\t\x1a\x34\n\x12RequestCountsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"]\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06holder\x18\x02 \x01(\t\x12\x12\n\nengine_ids\x18\x03 \x03(\t\x12\x16\n\x0eopened_unix_ms\x18\x04 \x01(\x04\"\xde\x01\n\nEngineInfo\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\'\n\x08topology\x18\x02 \x01(\x0b\x32\x15.kvbroker.v1.Topology\x12.\n\ncomponents\x18\x03 \x03(\x0b\x32\x1a.kvbroker.v1.ComponentSpec\x12\x18\n\x10registered_bytes\x18\x04 \x01(\x04\x12\x36\n\x10memory_ownership\x18\x05 \x01(\x0e\x32\x1c.kvbroker.v1.MemoryOwnership\x12\x12\n\nsession_id\x18\x06 \x01(\t\"Q\n\x08PeerInfo\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tbroker_id\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x12\n\nhandshakes\x18\x04 \x01(\x04\"\xcb\x02\n\x0eTransferStatus\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.kvbroker.v1.TransferRole\x12)\n\x05state\x18\x04 \x01(\x0e\x32\x1a.kvbroker.v1.TransferState\x12\x0c\n\x04\x63ode\x18\x05 \x01(\x05\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05pages\x18\x07 \x01(\r\x12\x0c\n\x04runs\x18\x08 \x01(\r\x12\r\n\x05\x62ytes\x18\t \x01(\x04\x12\x17\n\x0ftruncated_pages\x18\n \x01(\r\x12\x13\n\x0b\x64uration_us\x18\x0b \x01(\x04\x12*\n\ncomponents\x18\x0c \x03(\x0e\x32\x16.kvbroker.v1.Component\x12\x0b\n\x03\x61ux\x18\r \x01(\x0c\x12\r\n\x05parts\x18\x0e \x01(\r*m\n\x0fMemoryOwnership\x12 \n\x1cMEMORY_OWNERSHIP_UNSPECIFIED\x10\x00\x12\x1b\n\x17MEMORY_OWNERSHIP_SERVER\x10\x01\x12\x1b\n\x17MEMORY_OWNERSHIP_BROKER\x10\x02\x32\xd0\x05\n\rBrokerService\x12R\n\x0bOpenSession\x12\x1f.kvbroker.v1.OpenSessionRequest\x1a .kvbroker.v1.OpenSessionResponse0\x01\x12Y\n\x0eRegisterEngine\x12\".kvbroker.v1.RegisterEngineRequest\x1a#.kvbroker.v1.RegisterEngineResponse\x12_\n\x10UnregisterEngine\x12$.kvbroker.v1.UnregisterEngineRequest\x1a%.kvbroker.v1.UnregisterEngineResponse\x12Y\n\x0e\x45xpectTransfer\x12\".kvbroker.v1.ExpectTransferRequest\x1a#.kvbroker.v1.ExpectTransferResponse\x12G\n\x08Transfer\x12\x1c.kvbroker.v1.TransferRequest\x1a\x1d.kvbroker.v1.TransferResponse\x12X\n\rWatchTransfer\x12!.kvbroker.v1.WatchTransferRequest\x1a\".kvbroker.v1.WatchTransferResponse0\x01\x12Y\n\x0e\x43\x61ncelTransfer\x12\".kvbroker.v1.CancelTransferRequest\x1a#.kvbroker.v1.CancelTransferResponse\x12V\n\rGetBrokerInfo\x12!.kvbroker.v1.GetBrokerInfoRequest\x1a\".kvbroker.v1.GetBrokerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._loaded_options = None
   _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_options = b'8\001'
-  _globals['_MEMORYOWNERSHIP']._serialized_start=2771
-  _globals['_MEMORYOWNERSHIP']._serialized_end=2880
+  _globals['_MEMORYOWNERSHIP']._serialized_start=2799
+  _globals['_MEMORYOWNERSHIP']._serialized_end=2908
   _globals['_OPENSESSIONREQUEST']._serialized_start=75
   _globals['_OPENSESSIONREQUEST']._serialized_end=111
   _globals['_OPENSESSIONRESPONSE']._serialized_start=113
@@ -54,33 +54,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPECTTRANSFERRESPONSE']._serialized_start=803
   _globals['_EXPECTTRANSFERRESPONSE']._serialized_end=872
   _globals['_TRANSFERREQUEST']._serialized_start=875
-  _globals['_TRANSFERREQUEST']._serialized_end=1139
-  _globals['_PARTPAGES']._serialized_start=1141
-  _globals['_PARTPAGES']._serialized_end=1237
-  _globals['_TRANSFERRESPONSE']._serialized_start=1239
-  _globals['_TRANSFERRESPONSE']._serialized_end=1302
-  _globals['_WATCHTRANSFERREQUEST']._serialized_start=1304
-  _globals['_WATCHTRANSFERREQUEST']._serialized_end=1365
-  _globals['_WATCHTRANSFERRESPONSE']._serialized_start=1367
-  _globals['_WATCHTRANSFERRESPONSE']._serialized_end=1435
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1437
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1515
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1517
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1586
-  _globals['_GETBROKERINFOREQUEST']._serialized_start=1588
-  _globals['_GETBROKERINFOREQUEST']._serialized_end=1610
-  _globals['_GETBROKERINFORESPONSE']._serialized_start=1613
-  _globals['_GETBROKERINFORESPONSE']._serialized_end=2032
-  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_start=1980
-  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_end=2032
-  _globals['_SESSIONINFO']._serialized_start=2034
-  _globals['_SESSIONINFO']._serialized_end=2127
-  _globals['_ENGINEINFO']._serialized_start=2130
-  _globals['_ENGINEINFO']._serialized_end=2352
-  _globals['_PEERINFO']._serialized_start=2354
-  _globals['_PEERINFO']._serialized_end=2435
-  _globals['_TRANSFERSTATUS']._serialized_start=2438
-  _globals['_TRANSFERSTATUS']._serialized_end=2769
-  _globals['_BROKERSERVICE']._serialized_start=2883
-  _globals['_BROKERSERVICE']._serialized_end=3603
+  _globals['_TRANSFERREQUEST']._serialized_end=1167
+  _globals['_PARTPAGES']._serialized_start=1169
+  _globals['_PARTPAGES']._serialized_end=1265
+  _globals['_TRANSFERRESPONSE']._serialized_start=1267
+  _globals['_TRANSFERRESPONSE']._serialized_end=1330
+  _globals['_WATCHTRANSFERREQUEST']._serialized_start=1332
+  _globals['_WATCHTRANSFERREQUEST']._serialized_end=1393
+  _globals['_WATCHTRANSFERRESPONSE']._serialized_start=1395
+  _globals['_WATCHTRANSFERRESPONSE']._serialized_end=1463
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1465
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1543
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1545
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1614
+  _globals['_GETBROKERINFOREQUEST']._serialized_start=1616
+  _globals['_GETBROKERINFOREQUEST']._serialized_end=1638
+  _globals['_GETBROKERINFORESPONSE']._serialized_start=1641
+  _globals['_GETBROKERINFORESPONSE']._serialized_end=2060
+  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_start=2008
+  _globals['_GETBROKERINFORESPONSE_REQUESTCOUNTSENTRY']._serialized_end=2060
+  _globals['_SESSIONINFO']._serialized_start=2062
+  _globals['_SESSIONINFO']._serialized_end=2155
+  _globals['_ENGINEINFO']._serialized_start=2158
+  _globals['_ENGINEINFO']._serialized_end=2380
+  _globals['_PEERINFO']._serialized_start=2382
+  _globals['_PEERINFO']._serialized_end=2463
+  _globals['_TRANSFERSTATUS']._serialized_start=2466
+  _globals['_TRANSFERSTATUS']._serialized_end=2797
+  _globals['_BROKERSERVICE']._serialized_start=2911
+  _globals['_BROKERSERVICE']._serialized_end=3631
 # @@protoc_insertion_point(module_scope)

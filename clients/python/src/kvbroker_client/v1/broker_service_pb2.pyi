@@ -91,7 +91,7 @@ class ExpectTransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("request_id", "engine_id", "peer_address", "remote_engine_id", "components", "src_page_ids", "dst_page_ids", "pages", "more_parts", "aux")
+    __slots__ = ("request_id", "engine_id", "peer_address", "remote_engine_id", "components", "src_page_ids", "dst_page_ids", "pages", "more_parts", "aux", "receiver_broker_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class TransferRequest(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     peer_address: str
@@ -112,7 +113,8 @@ class TransferRequest(_message.Message):
     pages: _containers.RepeatedCompositeFieldContainer[PartPages]
     more_parts: bool
     aux: bytes
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PartPages, _Mapping]]] = ..., more_parts: _Optional[bool] = ..., aux: _Optional[bytes] = ...) -> None: ...
+    receiver_broker_id: str
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PartPages, _Mapping]]] = ..., more_parts: _Optional[bool] = ..., aux: _Optional[bytes] = ..., receiver_broker_id: _Optional[str] = ...) -> None: ...
 
 class PartPages(_message.Message):
     __slots__ = ("component", "src_page_ids", "dst_offset")
