@@ -58,6 +58,10 @@ class Coverage:
         marks = self._marks.get(kind)
         return 0 if marks is None else int(np.count_nonzero(marks))
 
+    def unfilled(self) -> int:
+        """Entries of the grant's lists not written, summed over its components: truncated_pages."""
+        return sum(length - self.covered(kind) for kind, length in self._lengths.items())
+
 
 @dataclass(frozen=True)
 class PartPages:
@@ -83,7 +87,6 @@ class PartPlan:
     descriptors: Descriptors
     pages: int  # entries written, summed over the part's components
     runs: int  # runs, summed over the part's components
-    truncated: int  # source pages dropped (or destination pages left) by the page rules
 
 
 def _overlap_refusal(kind: Component, entry: int, granted: np.ndarray) -> BrokerError:
@@ -98,7 +101,7 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
     page rule, or naming a destination page the receiver's engine does not have. `coverage` is
     left unchanged: the caller marks `landed` once it commits to the part."""
     landed, src_rows, dst_rows = [], [], []
-    total_pages = total_runs = truncated = 0
+    total_pages = total_runs = 0
     kinds_seen = set()
     for entry in pages:
         kind = entry.kind
@@ -124,13 +127,12 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
         landed.append(Landed(kind, rule.dst_offset, len(rule.dst)))
         total_pages += len(rule.dst)
         total_runs += runs.count
-        truncated += rule.truncated
     if not landed:
         raise BrokerError(Code.INVALID_ARGUMENT, "pages: a part needs at least one component")
     if last:
         _check_state_sent(granted, coverage, landed)
     descriptors = Descriptors(np.concatenate(src_rows), np.concatenate(dst_rows), *kinds)
-    return PartPlan(tuple(landed), descriptors, total_pages, total_runs, truncated)
+    return PartPlan(tuple(landed), descriptors, total_pages, total_runs)
 
 
 def _check_state_sent(granted: Mapping[Component, np.ndarray], coverage: Coverage,

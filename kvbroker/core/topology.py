@@ -100,10 +100,11 @@ def check_transfer(src: EngineLayout, dst: EngineLayout, kinds: Iterable[Compone
         check_same_component_layout(src.components[kind], dst.components[kind])
 
 
-def truncate_page_lists(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """Rule truncate: page lists of unequal length are cut to the shorter; returns the dropped count."""
+def truncate_page_lists(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rule truncate: page lists of unequal length are cut to the shorter. The destination entries
+    left are the request's truncated_pages; source pages past the destination list are not counted."""
     n = min(len(src), len(dst))
-    return src[:n], dst[:n], max(len(src), len(dst)) - n
+    return src[:n], dst[:n]
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,6 @@ class PartPages:
     src: np.ndarray
     dst: np.ndarray
     dst_offset: int
-    truncated: int  # source pages dropped (MINIMAX_INDEX_K, or past the grant's end), or destination pages left
 
 
 def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset: int) -> PartPages:
@@ -139,9 +139,9 @@ def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset
                 f"rule dense-kv-length: MINIMAX_DENSE_KV page lists must be of equal length (sender "
                 f"{len(src)}, receiver {len(rest)} from dst_offset {dst_offset})"
             )
-        return PartPages(src, rest, dst_offset, 0)
+        return PartPages(src, rest, dst_offset)
     if kind is Component.MINIMAX_INDEX_K:
-        cut_src, cut_dst, dropped = truncate_page_lists(src, rest)
-        return PartPages(cut_src, cut_dst, dst_offset, dropped)
+        cut_src, cut_dst = truncate_page_lists(src, rest)
+        return PartPages(cut_src, cut_dst, dst_offset)
     n = min(len(src), len(rest))
-    return PartPages(src[:n], rest[:n], dst_offset, len(src) - n)
+    return PartPages(src[:n], rest[:n], dst_offset)

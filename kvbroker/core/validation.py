@@ -141,10 +141,15 @@ def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: 
         i = int(over[0])
         raise invalid(f"{field_name}[{i}]: page id {int(ids[i])} is out of range [0, {num_pages})")
     if unique:
-        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        if uniq.size != ids.size:
-            dup = int(uniq[counts > 1][0])
-            raise invalid(f"{field_name}: page id {dup} appears more than once")
+        check_unique(ids, field_name)
+
+
+def check_unique(ids: np.ndarray, field_name: str, rule: str = "") -> None:
+    """Each page id of `ids` once (INVALID_ARGUMENT naming the first repeated id, and `rule` if given)."""
+    uniq, counts = np.unique(ids, return_counts=True)
+    if uniq.size != ids.size:
+        dup = int(uniq[counts > 1][0])
+        raise invalid(f"{field_name}: page id {dup} appears more than once" + (f" ({rule})" if rule else ""))
 
 
 def check_components(components: Sequence[Component], field_name: str, *,

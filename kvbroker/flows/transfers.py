@@ -39,6 +39,7 @@ import numpy as np
 from kvbroker.core.errors import BrokerError, Code, code_name, not_found, precondition
 from kvbroker.core.model import Component, TransferRole, TransferState
 from kvbroker.core.parts import Landing
+from kvbroker.core.validation import check_unique
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -221,7 +222,7 @@ class TransferTable:
             self._publish(record)
 
     def progress(self, record: TransferRecord, *, landed: dict[Component, int], runs: int, nbytes: int,
-                 truncated: int, last: bool = False) -> None:
+                 last: bool = False) -> None:
         """A part of a live request landed (`landed`: its pages per component): its counts join the
         record's, and watchers see them (unless it is the `last`, which the caller ends the record
         with at once)."""
@@ -233,7 +234,6 @@ class TransferTable:
         record.pages += sum(landed.values())
         record.runs += runs
         record.bytes += nbytes
-        record.truncated_pages += truncated
         if last:
             return
         if record.state is TransferState.PENDING:
@@ -372,6 +372,7 @@ class TransferTable:
                                "list, so only an offered grant (sender_address) can have several")
         granted = record.granted[components[0]]
         if dst_page_ids.size:
+            check_unique(dst_page_ids, "dst_page_ids", "a page of the grant is claimed at most once")
             inside = np.isin(dst_page_ids, granted)
             if not inside.all():
                 bad = int(np.flatnonzero(~inside)[0])
