@@ -114,12 +114,23 @@ class NixlBackend(Backend):
         except Exception as exc:  # nixl raises its own error types
             raise _failed("NIXL could not give its metadata", exc) from exc
 
-    async def connect(self, metadata: bytes) -> object:
+    async def connect(self, metadata: bytes, regions: Sequence[Region] = ()) -> object:
         key, keyed = keyed_metadata(metadata)
 
         def load():
             # Loading the same metadata again (another engine of the same peer broker) is a no-op for NIXL.
             name = self._agent.add_remote_agent(keyed)
+            outside = self._outside(name, regions)
+            if outside is not None:
+                if name not in self._peers:  # loaded for this handshake only: nothing else refers to it
+                    try:
+                        self._agent.remove_remote_agent(name)
+                    except Exception as exc:  # it stays loaded, unreferenced
+                        log.warning("removing NIXL remote agent %r: %s", name, exc)
+                raise TransferFailed(
+                    f"the peer's NIXL metadata registers no region holding its declared layer buffer "
+                    f"[{outside.address:#x}, {outside.address + outside.length:#x}) "
+                    f"({'GPU ' + str(outside.device) if outside.gpu else 'host'} memory)")
             if self._peers.connect(name):
                 log.info("NIXL remote agent connected", extra=_held(name, self._peers))
             return name
@@ -128,6 +139,22 @@ class NixlBackend(Backend):
             return await self._call(load)
         except Exception as exc:  # nixl raises its own error types for metadata it cannot load
             raise _failed("NIXL refused the peer's metadata", exc) from exc
+
+    def _outside(self, name: bytes, regions: Sequence[Region]) -> Region | None:
+        """On the NIXL thread: the first of `regions` that no memory registered in the loaded remote
+        agent `name` holds whole, or None. NIXL's own prep refuses such descriptors too, but only at
+        write time, and only against the metadata, which the same peer hands us."""
+        by_kind: dict[str, list[Region]] = {}
+        for r in regions:
+            by_kind.setdefault(NIXL_MEMORY[MemoryKind.GPU if r.gpu else MemoryKind.HOST], []).append(r)
+        for kind, listed in by_kind.items():
+            def holds(rs: list[Region], kind: str = kind) -> bool:
+                descs = self._agent.get_xfer_descs([(r.address, r.length, r.device) for r in rs], kind)
+                return self._agent.check_remote_metadata(name, descs)
+
+            if not holds(listed):
+                return next(r for r in listed if not holds([r]))
+        return None
 
     async def disconnect(self, peer: object) -> None:
         def unload():

@@ -31,6 +31,8 @@ from kvbroker.core.model import (
     EngineLayout,
     EngineSpec,
     Layout,
+    MemoryKind,
+    Region,
     SharedMemoryRef,
     Topology,
 )
@@ -215,3 +217,21 @@ def check_peer_address(value: str, field_name: str) -> None:
     """A peer broker's peer listener: "host:port", "[v6]:port" or "unix:/path"."""
     if not PEER_ADDRESS.fullmatch(value):
         raise invalid(f"{field_name}: {value[:128]!r} is not a peer address (host:port, [v6]:port or unix:/path)")
+
+
+def declared_regions(layout: EngineLayout, where: str = "handshake.engine") -> tuple[Region, ...]:
+    """The layer buffers a peer's handshake declares, as regions, once each holds its pages: a
+    buffer's num_pages pages of item_len bytes lie inside [address, address + length), which ends
+    below 2**64 (INVALID_ARGUMENT otherwise). The planner writes to the peer only at those pages, so
+    these regions bound every descriptor towards it; the backend checks them against the memory the
+    peer's engine metadata registers (Backend.connect)."""
+    regions = []
+    for kind, component in layout.components.items():
+        for b in component.buffers:
+            pages = component.num_pages * b.item_len
+            if b.address <= 0 or b.address + b.length > 1 << 64 or pages > b.length:
+                raise invalid(f"{where}: the {kind.name} layer {b.layer_id} {b.role.name} buffer at {b.address:#x} "
+                              f"of {b.length} bytes cannot hold its {component.num_pages} pages of {b.item_len} "
+                              "bytes (rule declared-buffer)")
+            regions.append(Region(b.address, b.length, b.device, gpu=b.memory_kind is MemoryKind.GPU))
+    return tuple(regions)

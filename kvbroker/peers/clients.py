@@ -35,6 +35,7 @@ import numpy as np
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.model import Component, TransferState
+from kvbroker.core.validation import declared_regions
 from kvbroker.edge import convert
 from kvbroker.edge.admission import RequestLimits
 from kvbroker.edge.codes import from_rpc_error
@@ -217,9 +218,10 @@ class PeerClients:
         reply = await self._rpc(address, "Handshake", request, timeout)
         try:
             engine = convert.engine_layout_in(reply.engine)
+            regions = declared_regions(engine)  # every write to the peer lies in these (planner)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
             raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.message}") from None
-        connecting = asyncio.ensure_future(self._backend.connect(reply.backend_metadata))
+        connecting = asyncio.ensure_future(self._backend.connect(reply.backend_metadata, regions))
         try:
             handle = await asyncio.shield(connecting)  # a connect made is always given back
         except asyncio.CancelledError:
