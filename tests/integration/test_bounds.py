@@ -12,6 +12,7 @@ import resource
 import socket
 import sys
 import time
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -63,17 +64,24 @@ def same_bytes(payload: bytes, message, field: str = "request_id") -> bytes:
     return message.SerializeToString()
 
 
-async def calm_flood(pid: int, addresses: list[str], floods: list[tuple[str, str, list[bytes], int]]
-                     ) -> tuple[float, float]:
+@dataclass(frozen=True)
+class FloodBounds:
+    health_s: float  # the slowest health check allowed
+    call_s: float  # the slowest refusal allowed
+
+
+async def calm_flood(pid: int, addresses: list[str], floods: list[tuple[str, str, list[bytes], int]]) -> FloodBounds:
     """Bounds for a flood, from its baseline in the same run: while the flood's callers send, method by
     method, requests as many and as long as the flood's (`floods`: address, method, payloads,
     concurrent callers), each a single string, so with the callers' and the bytes' own cost but
-    none of the lists'. (prompt_bound of health's times, prompt_bound of the calls' times)."""
+    none of the lists'. Both by prompt_bound. (The broker's CPU time is printed: 4.4-5.4 s for the
+    local flood here, 15.7-17.1 s with the size check before parsing removed; it is not asserted,
+    since the baseline's own cost rises with such a breakage too.)"""
     calls: list[float] = []
     async with Watch(pid, addresses).during() as calm:
         for address, method, payloads, concurrent in floods:
             calls += [s for _, _, s in await raw_calls(address, method, payloads, rounds=3, concurrent=concurrent)]
-    return prompt_bound(calm.health_s), prompt_bound(calls, floor=15.0)
+    return FloodBounds(prompt_bound(calm.health_s), prompt_bound(calls, floor=15.0))
 
 
 def cpu_s(pid: int) -> float:
@@ -219,7 +227,7 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
         offer = ppb.OfferGrantRequest(broker_id="stranger", engine_id="e", request_id="r", pages=[
             pb.ComponentPages(component=c, page_ids=page_ids(900_000)) for c in (1, 2, 3, 4)])
         addresses = [broker.process.listen, broker.peer_address]
-        bound, call_bound = await calm_flood(pid, addresses, [
+        bounds = await calm_flood(pid, addresses, [
             (broker.peer_address, "/kvbroker.v1.PeerService/ClaimGrant",
              [same_bytes(p, ppb.ClaimGrantRequest(broker_id="stranger", engine_id="no-such-engine")) for p in payloads],
              CONCURRENT),
@@ -237,14 +245,16 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
                    if c == "RESOURCE_EXHAUSTED"), {d for _, d, _ in claims}
         assert all(c != "OK" for c, _, _ in offers)
         slowest = max(s for _, _, s in claims + offers)
-        assert slowest < call_bound, f"a refusal took {slowest:.1f}s (bound {call_bound:.1f}s)"
+        assert slowest < bounds.call_s, f"a refusal took {slowest:.1f}s (bound {bounds.call_s:.1f}s)"
         # 16 callers at once, 8 read at a time: about 400 MiB over the baseline here; 1.2-1.4 GiB when each
         # refused request stayed alive in its abort's traceback until a full collection
         assert watch.peak < baseline + 768, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
-        assert max(watch.health_s) < bound, f"health took up to {max(watch.health_s):.1f}s (bound {bound:.1f}s)"
+        assert max(watch.health_s) < bounds.health_s, \
+            f"health took up to {max(watch.health_s):.1f}s (bound {bounds.health_s:.1f}s)"
         print(f"remote flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
-              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks (bound {bound:.2f}s), "
+              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks "
+              f"(bound {bounds.health_s:.2f}s), "
               f"broker CPU {watch.cpu_s:.2f}s")
     finally:
         assert await close_broker(broker) == 0
@@ -292,7 +302,7 @@ async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
         small_expect = bpb.ExpectTransferRequest(engine_id="no-such-engine", request_id="r", components=ALL,
                                                  dst_page_ids=page_ids(1 << 20)).SerializeToString()
         assert len(register) > 50 * MiB and len(expect) > 50 * MiB
-        bound, call_bound = await calm_flood(pid, [broker.process.listen], [
+        bounds = await calm_flood(pid, [broker.process.listen], [
             (broker.process.listen, "/kvbroker.v1.BrokerService/RegisterEngine",
              [same_bytes(register, bpb.RegisterEngineRequest(), "engine_id")], 4),
             (broker.process.listen, "/kvbroker.v1.BrokerService/ExpectTransfer",
@@ -308,12 +318,14 @@ async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
         assert {c for c, _, _ in expects} == {"RESOURCE_EXHAUSTED", "NOT_FOUND"}, expects[0]
         assert all("max_pages_per_request" in d for c, d, _ in expects if c == "RESOURCE_EXHAUSTED")
         slowest = max(s for _, _, s in registers + expects)
-        assert slowest < call_bound, f"a refusal took {slowest:.1f}s (bound {call_bound:.1f}s)"
+        assert slowest < bounds.call_s, f"a refusal took {slowest:.1f}s (bound {bounds.call_s:.1f}s)"
         assert watch.peak < baseline + 1536, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
-        assert max(watch.health_s) < bound, f"health took up to {max(watch.health_s):.1f}s (bound {bound:.1f}s)"
+        assert max(watch.health_s) < bounds.health_s, \
+            f"health took up to {max(watch.health_s):.1f}s (bound {bounds.health_s:.1f}s)"
         print(f"local flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
-              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks (bound {bound:.2f}s), "
+              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks "
+              f"(bound {bounds.health_s:.2f}s), "
               f"broker CPU {watch.cpu_s:.2f}s")
     finally:
         assert await close_broker(broker) == 0
