@@ -38,7 +38,8 @@ from kvbroker.edge.peer_service import PeerServicer
 from kvbroker.edge.service import BrokerServicer
 from kvbroker.edge.tls import PeerTls
 from kvbroker.edge.trust import PeerGate
-from kvbroker.flows.broker import Broker, Limits
+from kvbroker.flows.broker import Broker
+from kvbroker.flows.limits import Limits
 from kvbroker.ops.metrics import Metrics
 from kvbroker.ops.trim import MemoryTrim
 from kvbroker.peers.clients import PeerClients
@@ -247,9 +248,7 @@ class BrokerServer:
         s = self.settings
         data_plane = check_data_plane(s, os.environ.get("UCX_TLS"))
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
-        limits = Limits(s.max_pages_per_request, s.default_grant_expiry_s, s.max_grant_expiry_s,
-                        s.transfer_timeout_s, s.peer_rpc_timeout_s, s.offer_wait_s, s.max_offers, s.max_aux_bytes,
-                        s.max_parts_per_request, s.max_engines)
+        limits = Limits.from_settings(s)
         epoch = new_epoch()
         server_credentials, tls = peer_credentials(s)
         log.info("open-file limit %d", raise_fd_limit())

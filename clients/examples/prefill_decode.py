@@ -134,7 +134,7 @@ async def decode_server(broker: BrokerClient, cache: Cache, router: asyncio.Queu
     bootstrap: Bootstrap = await asyncio.wait_for(router.get(), 60)
     pages = rng.choice(NUM_PAGES, REQUEST_PAGES, replace=False)  # what the decode allocator handed out
     request_id = "req-1"
-    await broker.expect_transfer(cache.engine_id, request_id, pages=component_pages(pages, PREFIX_PAGES),
+    await broker.expect_transfer(cache.engine_id, request_id, component_pages(pages, PREFIX_PAGES),
                                  sender_address=bootstrap.peer_address, sender_engine_id=bootstrap.engine_id,
                                  expiry_s=60)  # returns once the prefill broker holds the offer
     await to_prefill.put(Go(request_id, PREFIX_PAGES))

@@ -1,12 +1,17 @@
 """The domain's failures. Each carries the status code the edge reports (numbers as google.rpc.Code).
 
 `BrokerError(code, message)` is what the domain raises; `invalid`, `not_found` and `precondition`
-build the common ones; `code_name` names a code number for logs. edge.py maps them onto gRPC.
+build the common ones; `engine_failed` is a transfer engine's failure at any call; `peer_code`
+reads a peer's code as ours; `clip` bounds a peer's or caller's reason; `code_name` names a code
+number for logs. edge/codes.py maps them onto gRPC.
 """
 
 from __future__ import annotations
 
 import enum
+import hmac
+
+MAX_REASON = 1024  # characters of a reason kept from a peer or a caller
 
 
 class Code(enum.IntEnum):
@@ -51,3 +56,23 @@ def not_found(message: str) -> BrokerError:
 
 def precondition(message: str) -> BrokerError:
     return BrokerError(Code.FAILED_PRECONDITION, message)
+
+
+def engine_failed(backend_name: str, exc: Exception, *, context: str = "") -> BrokerError:
+    """A transfer engine's failure, at any call, as the caller sees it: ABORTED, in the engine's words."""
+    return BrokerError(Code.ABORTED, f"{context}transfer engine {backend_name}: {exc}")
+
+
+def peer_code(code: int) -> Code:
+    """A peer's failure code as ours: one outside our table (or OK) becomes ABORTED."""
+    return Code(code) if code and code in Code._value2member_map_ else Code.ABORTED
+
+
+def clip(reason: str) -> str:
+    """A reason from a peer or a caller, cut to MAX_REASON characters."""
+    return reason[:MAX_REASON]
+
+
+def same_token(a: str, b: str) -> bool:
+    """Compare two secrets in constant time."""
+    return hmac.compare_digest(a.encode(), b.encode())

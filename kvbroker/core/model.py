@@ -153,6 +153,11 @@ class ComponentLayout:
     def buffer_keys(self) -> tuple[tuple[int, BufferRole], ...]:
         return tuple((b.layer_id, b.role) for b in self.buffers)
 
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page of this component takes: the item_len of every layer buffer."""
+        return sum(b.item_len for b in self.buffers)
+
 
 @dataclass(frozen=True)
 class EngineLayout:

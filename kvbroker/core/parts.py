@@ -4,10 +4,12 @@ An offered grant holds one destination page list per component; parts (the chunk
 prefill) fill it. Both brokers keep a `Coverage` of the entries written so far, so that no two
 parts of one component overlap:
 
+    check_grant_inside(...)  the sender, once it has the receiver's engine: the grant's pages are
+                     pages of that engine (INVALID_ARGUMENT, the rule the claimed flow's planner
+                     applies to dst_page_ids: validation.check_page_ids)
     plan_part(...)   the sender, before it writes: where the part's pages land, its descriptors
                      (the rules of topology.part_pages per component), refusing a part that lies
-                     outside the grant, overlaps an earlier one, or is a last part that leaves
-                     MINIMAX_DENSE_KV unsent
+                     outside the grant, overlaps an earlier one, or breaks rule dense-kv-length
     Landing.land()   the receiver, when the sender says a part landed: the same bounds, checked
                      again against the receiver's own grant, and whether the grant is complete
 
@@ -24,8 +26,9 @@ import numpy as np
 
 from kvbroker.core import topology
 from kvbroker.core.errors import BrokerError, Code, precondition
-from kvbroker.core.model import Component, EngineLayout
-from kvbroker.core.planner import Descriptors, build_descriptors, plan_runs
+from kvbroker.core.model import Component, Descriptors, EngineLayout
+from kvbroker.core.planner import build_descriptors, plan_runs
+from kvbroker.core.validation import check_page_ids
 
 
 class Coverage:
@@ -94,12 +97,22 @@ def _overlap_refusal(kind: Component, entry: int, granted: np.ndarray) -> Broker
                         "was written by an earlier part; parts may not overlap")
 
 
+def check_grant_inside(dst: EngineLayout, granted: Mapping[Component, np.ndarray], kinds: Iterable[Component],
+                       max_pages: int) -> None:
+    """The grant's page lists of `kinds` name only pages the receiver's engine `dst` has: it checked
+    its grant; this guards our writes against a receiver that is inconsistent or lies about it."""
+    for kind in kinds:
+        if kind in granted and kind in dst.components and granted[kind].size:
+            check_page_ids(granted[kind], f"granted {kind.name} pages", dst.components[kind].num_pages,
+                           max(max_pages, granted[kind].size), unique=False)
+
+
 def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, np.ndarray],
               coverage: Coverage, pages: Iterable[PartPages], *, last: bool) -> PartPlan:
-    """Where each component of a part lands and the descriptors that write it. Raises, writing
-    nothing, for a part outside the grant, overlapping an earlier part, breaking a component's
-    page rule, or naming a destination page the receiver's engine does not have. `coverage` is
-    left unchanged: the caller marks `landed` once it commits to the part."""
+    """Where each component of a part lands and the descriptors that write it, between engines
+    that passed the topology rules and a grant inside `dst` (check_grant_inside). Raises, writing
+    nothing, for a part outside the grant, overlapping an earlier part, or breaking a component's
+    page rule. `coverage` is left unchanged: the caller marks `landed` once it commits to the part."""
     landed, src_rows, dst_rows = [], [], []
     total_pages = total_runs = 0
     kinds_seen = set()
@@ -110,15 +123,10 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
         if kind not in granted:
             raise BrokerError(Code.PERMISSION_DENIED, f"pages: {kind.name} is not in the grant")
         kinds_seen.add(kind)
-        rule = topology.part_pages(kind, entry.src_page_ids, granted[kind], entry.dst_offset)
+        rule = topology.part_pages(kind, entry.src_page_ids, granted[kind], entry.dst_offset, last=last)
         hit = coverage.first_overlap(kind, rule.dst_offset, len(rule.dst))
         if hit is not None:
             raise _overlap_refusal(kind, hit, granted[kind])
-        remote_pages = dst.components[kind].num_pages
-        if rule.dst.size and int(rule.dst.max()) >= remote_pages:
-            bad = int(np.flatnonzero(rule.dst >= remote_pages)[0])
-            raise BrokerError(Code.ABORTED, f"receiver's grant names {kind.name} page {int(rule.dst[bad])}, beyond "
-                                            f"its engine's {remote_pages} pages; the receiver is inconsistent")
         runs = plan_runs(rule.src, rule.dst)
         described = build_descriptors(runs, src.components[kind].buffers, dst.components[kind].buffers)
         src_rows.append(described.src)
@@ -129,23 +137,11 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
         total_runs += runs.count
     if not landed:
         raise BrokerError(Code.INVALID_ARGUMENT, "pages: a part needs at least one component")
-    if last:
-        _check_state_sent(granted, coverage, landed)
+    dense = Component.MINIMAX_DENSE_KV
+    if dense in granted and dense not in kinds_seen:
+        topology.check_dense_kv(granted[dense], None, 0, last=last)
     descriptors = Descriptors(np.concatenate(src_rows), np.concatenate(dst_rows), *kinds)
     return PartPlan(tuple(landed), descriptors, total_pages, total_runs)
-
-
-def _check_state_sent(granted: Mapping[Component, np.ndarray], coverage: Coverage,
-                      landed: list[Landed]) -> None:
-    """Rule dense-kv-length, at the last part: MINIMAX_DENSE_KV moves whole, so the grant cannot
-    complete with some of its dense pages never sent."""
-    kind = Component.MINIMAX_DENSE_KV
-    if kind not in granted:
-        return
-    sent = coverage.covered(kind) + sum(x.pages for x in landed if x.kind is kind)
-    if sent != len(granted[kind]):
-        raise precondition(f"rule dense-kv-length: the last part leaves MINIMAX_DENSE_KV with {sent} of its "
-                           f"{len(granted[kind])} granted pages sent; it moves whole")
 
 
 @dataclass
@@ -215,4 +211,4 @@ class Landing:
 def landed_bytes(layout: EngineLayout, landed: Iterable[Landed]) -> int:
     """Bytes the landed entries cover in `layout`'s engine: entries times the item_len of every
     layer buffer of their component."""
-    return sum(x.pages * sum(b.item_len for b in layout.components[x.kind].buffers) for x in landed)
+    return sum(x.pages * layout.components[x.kind].page_bytes for x in landed)

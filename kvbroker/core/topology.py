@@ -108,7 +108,7 @@ def truncate_page_lists(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, n
 
 
 @dataclass(frozen=True)
-class PartPages:
+class PartLanding:
     """Where one component's source pages of a part land: `src[i]` is written to `dst[i]`, which
     are entries [dst_offset, dst_offset + len(dst)) of the grant's page list of that component."""
 
@@ -117,12 +117,31 @@ class PartPages:
     dst_offset: int
 
 
-def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset: int) -> PartPages:
+def check_dense_kv(granted: np.ndarray, src: np.ndarray | None, dst_offset: int, *, last: bool) -> None:
+    """Rule dense-kv-length: MINIMAX_DENSE_KV moves whole, with the last part only (SGLang 0.5.23
+    sends it there, and treats lists of unequal length as an error): a part with more_parts may not
+    carry it, and the last part must carry the grant's whole list, from entry 0, one source page per
+    entry. `src` None: the part does not carry it."""
+    if src is None:
+        if last:
+            raise precondition(f"rule dense-kv-length: the last part leaves MINIMAX_DENSE_KV with none of its "
+                               f"{len(granted)} granted pages sent; it moves whole, with the last part")
+        return
+    if not last:
+        raise precondition("rule dense-kv-length: MINIMAX_DENSE_KV moves whole, with the last part only; "
+                           "this part has more_parts")
+    if dst_offset != 0 or len(src) != len(granted):
+        raise precondition(
+            f"rule dense-kv-length: MINIMAX_DENSE_KV page lists must be of equal length (sender {len(src)} "
+            f"from dst_offset {dst_offset}, receiver {len(granted)})"
+        )
+
+
+def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset: int, *, last: bool) -> PartLanding:
     """The page rule of `kind` for one part that starts at entry `dst_offset` of the grant's list.
 
     Rule part-in-grant: the part must start inside the grant's list (PERMISSION_DENIED).
-    Rule dense-kv-length: MINIMAX_DENSE_KV moves whole: the source list must be exactly as long as the
-    rest of the grant's list from dst_offset (SGLang 0.5.23 treats a mismatch as an error).
+    Rule dense-kv-length (check_dense_kv): MINIMAX_DENSE_KV moves whole, with the last part only.
     Rule index-k-truncate: MINIMAX_INDEX_K is cut to the shorter of the source list and the rest of
     the grant's list (upstream's truncation), and the count is reported.
     Rule chunk: any other component lands on the next len(src) entries; source pages past the end of
@@ -134,14 +153,10 @@ def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset
                           f"grant's {len(granted)} pages")
     rest = granted[dst_offset:]
     if kind is Component.MINIMAX_DENSE_KV:
-        if len(src) != len(rest):
-            raise precondition(
-                f"rule dense-kv-length: MINIMAX_DENSE_KV page lists must be of equal length (sender "
-                f"{len(src)}, receiver {len(rest)} from dst_offset {dst_offset})"
-            )
-        return PartPages(src, rest, dst_offset)
+        check_dense_kv(granted, src, dst_offset, last=last)
+        return PartLanding(src, rest, dst_offset)
     if kind is Component.MINIMAX_INDEX_K:
         cut_src, cut_dst = truncate_page_lists(src, rest)
-        return PartPages(cut_src, cut_dst, dst_offset)
+        return PartLanding(cut_src, cut_dst, dst_offset)
     n = min(len(src), len(rest))
-    return PartPages(src[:n], rest[:n], dst_offset)
+    return PartLanding(src[:n], rest[:n], dst_offset)

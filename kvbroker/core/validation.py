@@ -36,11 +36,14 @@ from kvbroker.core.model import (
     SharedMemoryRef,
     Topology,
 )
-from kvbroker.memory.mapping import MAX_DEVICE_ORDINAL, check_cuda_ref
 
 IDENTIFIER = re.compile(r"[A-Za-z0-9._:/-]{1,128}")
 OFFER_TOKEN = re.compile(r"[0-9a-f]{32}")
 ROLES_BY_LAYOUT = {Layout.FLAT: (BufferRole.FLAT,), Layout.KV_SPLIT: (BufferRole.K, BufferRole.V)}
+
+
+MAX_DEVICE_ORDINAL = 255  # plausibility bound checked before any driver is asked
+IPC_HANDLE_SIZE = 64  # sizeof(CUipcMemHandle) == sizeof(cudaIpcMemHandle_t)
 
 
 def check_identifier(value: str, field_name: str) -> None:
@@ -217,6 +220,28 @@ def check_peer_address(value: str, field_name: str) -> None:
     """A peer broker's peer listener: "host:port", "[v6]:port" or "unix:/path"."""
     if not PEER_ADDRESS.fullmatch(value):
         raise invalid(f"{field_name}: {value[:128]!r} is not a peer address (host:port, [v6]:port or unix:/path)")
+
+
+def check_cuda_ref(ref: CudaIpcRef, length: int, field_name: str) -> None:
+    """Everything about a CUDA IPC reference that can be checked without a GPU; `field_name` ends in .cuda_ipc."""
+    if len(ref.handle) != IPC_HANDLE_SIZE:
+        hint = ""
+        if len(ref.handle) == IPC_HANDLE_SIZE + 2 and ref.handle[1:2] == b"c":
+            hint = ("; this looks like torch's storage handle (a version byte, 'c', then the handle): send "
+                    "its last 64 bytes, as kvbroker_client.tensors does")
+        raise invalid(f"{field_name}.handle: must be the {IPC_HANDLE_SIZE}-byte cudaIpcMemHandle_t, "
+                      f"got {len(ref.handle)} bytes{hint}")
+    if not any(ref.handle):
+        raise invalid(f"{field_name}.handle: all {IPC_HANDLE_SIZE} bytes are zero, which no cudaIpcGetMemHandle "
+                      "returns")
+    if ref.device > MAX_DEVICE_ORDINAL:
+        raise invalid(f"{field_name}.device: {ref.device} is not a plausible CUDA device ordinal "
+                      f"(at most {MAX_DEVICE_ORDINAL})")
+    if ref.allocation_size == 0:
+        raise invalid(f"{field_name}.allocation_size: must be greater than zero")
+    if ref.offset + length > ref.allocation_size:
+        raise invalid(f"{field_name}: offset {ref.offset} + length {length} exceeds allocation_size "
+                      f"{ref.allocation_size}")
 
 
 def declared_regions(layout: EngineLayout, where: str = "handshake.engine") -> tuple[Region, ...]:

@@ -1,7 +1,6 @@
 """What both servicers share at the gRPC edge:
 - `translate_errors`: wraps a unary servicer method, BrokerError → its status, anything else INTERNAL;
 - `status_code`, `details`: a domain code and message as gRPC sends them (streaming handlers);
-- `from_rpc_error`: a peer's status back into a BrokerError (peer_clients.py).
 What every call meets before a servicer sees it (size, parse, lists, concurrency) is admission.py.
 """
 
@@ -35,23 +34,6 @@ def details(message: str) -> str:
     if len(raw) <= MAX_DETAILS_BYTES:
         return message
     return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"... ({len(raw)} bytes, clipped)"
-
-
-def from_rpc_error(exc: grpc.aio.AioRpcError, prefix: str) -> BrokerError:
-    """A peer's status becomes ours, with the peer named. A status outside our table (UNKNOWN,
-    DATA_LOSS, OUT_OF_RANGE: the transport or a broken peer) and the peer's own INTERNAL (its bug,
-    not ours) become UNAVAILABLE; UNAUTHENTICATED becomes PERMISSION_DENIED (DESIGN.md's peer that
-    failed authentication)."""
-    code = exc.code()
-    if code is grpc.StatusCode.UNAUTHENTICATED:
-        return BrokerError(Code.PERMISSION_DENIED, f"{prefix}: {exc.details() or code.name}")
-    try:
-        domain = Code(code.value[0])
-    except ValueError:
-        domain = Code.UNAVAILABLE
-    if domain is Code.INTERNAL:
-        domain = Code.UNAVAILABLE
-    return BrokerError(domain, f"{prefix}: {exc.details() or code.name}")
 
 
 def translate_errors(method):

@@ -1,5 +1,5 @@
 """The PeerService servicer: the receiving side of broker to broker. Proto in, Broker call, proto
-out; domain errors become status codes (edge.py). The sending side is peer_clients.py.
+out; domain errors become status codes (edge/codes.py). The sending side is peers/clients.py.
 
 Every call first establishes who the caller is (trust.PeerGate: under mutual TLS its broker_id
 must be a name of its certificate) and whether `peer_allow` admits it. A caller that is not
@@ -14,7 +14,6 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 
 from __future__ import annotations
 
-from kvbroker.backends.base import TransferFailed
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
 from kvbroker.edge.codes import translate_errors
@@ -24,8 +23,6 @@ from kvbroker.flows.registry import unknown_engine
 from kvbroker.peers.notifier import MAX_BATCH
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-
-REVOKE_ANSWER_MARGIN_S = 0.5  # what RevokeOffer keeps of its deadline for the answer itself
 
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
@@ -47,27 +44,18 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
             self._caller(request, context)
         except BrokerError:
             raise unknown_engine(request.engine_id) from None
-        backend = self._broker.backend
-        if request.backend != backend.name:
-            raise BrokerError(Code.FAILED_PRECONDITION,
-                              f"backend: caller uses {request.backend!r}, this broker uses {backend.name!r}")
-        engine = self._broker.handshake_view(request.engine_id)
-        try:
-            metadata = await backend.metadata()
-        except TransferFailed as exc:
-            raise BrokerError(Code.ABORTED, f"transfer engine {backend.name}: {exc}") from exc
+        view = await self._broker.handshake(request.backend, request.engine_id)
         return ppb.HandshakeResponse(
-            broker_id=self._broker.broker_id, epoch=self._broker.epoch, generation=engine.generation,
-            backend=backend.name, backend_metadata=metadata, engine=convert.engine_layout_out(engine.layout),
+            broker_id=view.broker_id, epoch=view.epoch, generation=view.generation, backend=view.backend,
+            backend_metadata=view.metadata, engine=convert.engine_layout_out(view.layout),
         )
 
     @translate_errors
     async def ClaimGrant(self, request: ppb.ClaimGrantRequest, context) -> ppb.ClaimGrantResponse:
         identity = self._caller(request, context)
-        self._broker.check_claimable(request.engine_id, request.request_id)  # before any page array is built
         grant, generation = self._broker.claim(
-            identity, request.engine_id, request.request_id, convert.components_in(request.components),
-            convert.page_ids_in(request.dst_page_ids),
+            identity, request.engine_id, request.request_id,
+            lambda: (convert.components_in(request.components), convert.page_ids_in(request.dst_page_ids)),
         )
         return ppb.ClaimGrantResponse(
             dst_page_ids=grant.dst_page_ids.tolist(), epoch=self._broker.epoch, generation=generation,
@@ -86,19 +74,16 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
     @translate_errors
     async def OfferGrant(self, request: ppb.OfferGrantRequest, context) -> ppb.OfferGrantResponse:
         identity = self._caller(request, context)
-        if request.sender_engine_id:
-            self._broker.registry.get(request.sender_engine_id)  # ids before page arrays
-        offer = convert.grant_offer_in(request, self._broker.limits.max_pages_per_request)
-        self._broker.receive_offer(identity, offer, request.epoch)
+        self._broker.receive_offer(identity, request.sender_engine_id,
+                                   lambda max_pages: convert.grant_offer_in(request, max_pages), request.epoch)
         return ppb.OfferGrantResponse(broker_id=self._broker.broker_id, epoch=self._broker.epoch)
 
     @translate_errors
     async def RevokeOffer(self, request: ppb.RevokeOfferRequest, context) -> ppb.RevokeOfferResponse:
         identity = self._caller(request, context)
-        left = context.time_remaining()
-        wait = self._broker.limits.peer_rpc_timeout_s if left is None else max(0.0, left - REVOKE_ANSWER_MARGIN_S)
         quiesced = await self._broker.revoke_offer(identity, request.engine_id, request.request_id,
-                                                   request.offer_token, request.code, request.reason, wait)
+                                                   request.offer_token, request.code, request.reason,
+                                                   context.time_remaining())
         return ppb.RevokeOfferResponse(quiesced=quiesced)
 
     @translate_errors

@@ -5,14 +5,11 @@ from __future__ import annotations
 import contextlib
 
 from kvbroker import __version__
-from kvbroker.core.errors import BrokerError, invalid
+from kvbroker.core.errors import BrokerError
 from kvbroker.edge import convert
 from kvbroker.edge.codes import details, status_code, translate_errors
 from kvbroker.edge.trust import PeerGate
 from kvbroker.flows.broker import Broker
-from kvbroker.flows.part_sender import PartCommand
-from kvbroker.flows.receiver import GrantCommand
-from kvbroker.flows.sender import TransferCommand
 from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
@@ -59,46 +56,15 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def ExpectTransfer(self, request, context):
-        self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
-        if request.pages and (request.components or request.dst_page_ids):
-            raise invalid("pages: give either pages, or components with dst_page_ids, not both")
-        if request.pages:
-            pages, shared = convert.grant_pages_in(request.pages), False
-        else:
-            ids = convert.page_ids_in(request.dst_page_ids)
-            pages, shared = [(kind, ids) for kind in convert.components_in(request.components)], True
-        command = GrantCommand(request.request_id, request.engine_id, tuple(pages), request.expiry_ms,
-                               request.sender_address, request.sender_engine_id, shared)
-        status = await self._broker.expect_transfer(command)
+        status = await self._broker.expect_transfer(request.engine_id, lambda: convert.grant_command_in(request))
         return bpb.ExpectTransferResponse(status=convert.status_out(status))
 
     @translate_errors
     async def Transfer(self, request, context):
-        self._broker.registry.get(request.engine_id)  # NOT_FOUND before any page array is built
-        """The claimed flow when the request names the receiver (peer_address), else the offered flow."""
-        if request.peer_address or request.remote_engine_id:
-            if request.pages or request.more_parts or request.aux:
-                raise invalid("pages: the claimed flow (peer_address set) takes components and src_page_ids; "
-                              "pages, more_parts and aux belong to the offered flow (peer_address empty)")
-            command = TransferCommand(
-                request.request_id, request.engine_id, request.peer_address, request.remote_engine_id,
-                convert.components_in(request.components), convert.page_ids_in(request.src_page_ids),
-                convert.page_ids_in(request.dst_page_ids),
-            )
-            status = await self._broker.transfer(command, context.time_remaining())
-        else:
-            if request.dst_page_ids:
-                raise invalid("dst_page_ids: the offered flow places pages by PartPages.dst_offset")
-            if request.pages and (request.components or request.src_page_ids):
-                raise invalid("pages: give either pages, or components with src_page_ids, not both")
-            if request.pages:
-                pages = convert.part_pages_in(request.pages)
-            else:
-                ids = convert.page_ids_in(request.src_page_ids)
-                pages = [(kind, ids, 0) for kind in convert.components_in(request.components)]
-            command = PartCommand(request.request_id, request.engine_id, tuple(pages), not request.more_parts,
-                                  request.aux)
-            status = await self._broker.send_part(command, context.time_remaining())
+        """The claimed flow when the request names the receiver (peer_address), else the offered
+        flow: convert picks the command, the Broker its sender."""
+        status = await self._broker.transfer(request.engine_id, lambda: convert.transfer_command_in(request),
+                                             context.time_remaining())
         return bpb.TransferResponse(status=convert.status_out(status))
 
     async def WatchTransfer(self, request, context):
@@ -117,17 +83,17 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def GetBrokerInfo(self, request, context):
-        broker = self._broker
+        info = self._broker.info()
         return bpb.GetBrokerInfoResponse(
-            broker_id=broker.broker_id, epoch=broker.epoch, version=__version__, backend=broker.backend.name,
+            broker_id=info.broker_id, epoch=info.epoch, version=__version__, backend=info.backend,
             peer_address=self._peer_address,
-            engines=[self._engine_info(e) for e in broker.registry],
+            engines=[self._engine_info(e) for e in info.engines],
             peers=[bpb.PeerInfo(address=p.address, broker_id=p.broker_id, epoch=p.epoch, handshakes=p.handshakes)
                    for p in self._peers.records.values()],
-            request_counts=dict(broker.table.counts),
+            request_counts=info.request_counts,
             sessions=[bpb.SessionInfo(session_id=x.session_id, holder=x.holder, engine_ids=sorted(x.engine_ids),
                                       opened_unix_ms=int(x.opened_at * 1000))
-                      for x in broker.sessions()],
+                      for x in info.sessions],
             peers_authenticated=self._gate.authenticated, peer_allow=list(self._gate.allow),
             data_port_range=getattr(self._data_plane, "data_port_range", ""),
             data_port_unprotected=getattr(self._data_plane, "unprotected", ""),

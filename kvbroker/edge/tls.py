@@ -6,7 +6,7 @@ expire; a broker that read them once would serve, and dial with, the expired pai
 - the peer server's credentials are grpc's dynamic ones, whose fetcher grpc calls before each new
   connection's handshake: a change is served from the next connection on;
 - the peer clients ask `channel_credentials()` for each channel they open, with a generation
-  number: a channel made under an older generation is replaced (peer_clients.py), so that a
+  number: a channel made under an older generation is replaced (peers/channels.py), so that a
   reconnection never presents the old certificate.
 A change (of a file's inode, size or mtime) is taken once no file has been modified for SETTLE_S,
 so that a writer replacing the files one by one is never read halfway (a new certificate beside

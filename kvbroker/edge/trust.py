@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.identity import PeerIdentity
+
+__all__ = ["SAN_PROPERTY", "PeerGate", "PeerIdentity"]  # PeerIdentity lives in core: the flows take it
 
 SAN_PROPERTY = "x509_subject_alternative_name"
-
-
-@dataclass(frozen=True)
-class PeerIdentity:
-    name: str  # the broker id the broker acts on
-    authenticated: bool  # True: a certificate the CA signed names it
 
 
 class PeerGate:

@@ -5,13 +5,16 @@ It owns the registry, the transfer table, the sessions and the backend, and hand
 - engines (BrokerService): `register_engine`, `unregister_engine`; sessions (sessions.py):
   `open_session`, `end_session`, `sessions`;
 - receiver side, run by the Receiver (receiver.py): `expect_transfer` (BrokerService), which may
-  offer the grant to its sender; `handshake_view`, `claim`, `complete`, `take_notices`
-  (PeerService, peer_service.py);
-- sender side: `transfer` (BrokerService), the claimed flow, run by the Sender (sender.py);
-  `send_part` (BrokerService) and `receive_offer`, `revoke_offer` (PeerService), the offered
-  flow, run by the PartSender (part_sender.py). Both reach peers through the PeerLink the Broker
-  is built with;
-- both sides: `watch`, `cancel`.
+  offer the grant to its sender; `handshake` (with the transfer engine's metadata), `claim`,
+  `complete`, `take_notices` (PeerService, peer_service.py);
+- sender side: `transfer` (BrokerService): the claimed flow's command runs the Sender (sender.py),
+  the offered flow's one part the PartSender (part_sender.py); `receive_offer`, `revoke_offer`
+  (PeerService), the offered flow's offers, kept by the OfferIntake (offer_intake.py). Both senders
+  share the send step (send_step.py) and reach peers through the PeerLink the Broker is built with;
+- both sides: `watch`, `cancel`; `info` (GetBrokerInfo).
+Each servicer method makes one call here. Where a request carries page lists, the call takes the
+conversion as a callable (`command`) and looks the engine up (NOT_FOUND) before it runs it, so that
+no page array is built for an engine this broker does not have.
 New sessions, engines, grants, handshakes, offers, claims and transfers are refused UNAVAILABLE
 once the drain has begun.
 """
@@ -27,9 +30,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvbroker.backends.base import Backend, TransferFailed
-from kvbroker.core.errors import BrokerError, Code, not_found
-from kvbroker.core.model import Component, EngineSpec, TransferState
-from kvbroker.edge.trust import PeerIdentity
+from kvbroker.core.errors import BrokerError, Code, engine_failed, not_found
+from kvbroker.core.identity import PeerIdentity
+from kvbroker.core.model import Component, EngineLayout, EngineSpec, TransferState
+from kvbroker.flows.limits import Limits
+from kvbroker.flows.offer_intake import OfferIntake
 from kvbroker.flows.offers import Offer
 from kvbroker.flows.part_sender import PartCommand, PartSender
 from kvbroker.flows.receiver import GrantCommand, Receiver
@@ -45,18 +50,29 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvbroker.transfer")
 
 
+REVOKE_ANSWER_MARGIN_S = 0.5  # what RevokeOffer keeps of its deadline for the answer itself
+
+
 @dataclass(frozen=True)
-class Limits:
-    max_pages_per_request: int
-    default_grant_expiry_s: float
-    max_grant_expiry_s: float
-    transfer_timeout_s: float
-    peer_rpc_timeout_s: float
-    offer_wait_s: float = 10.0
-    max_offers: int = 65536
-    max_aux_bytes: int = 65536
-    max_parts_per_request: int = 4096
-    max_engines: int = 1024
+class BrokerInfo:
+    broker_id: str
+    epoch: int
+    backend: str
+    engines: list[Engine]
+    request_counts: dict[str, int]
+    sessions: list[Session]
+
+
+@dataclass(frozen=True)
+class HandshakeView:
+    """A Handshake's answer, as the domain gives it."""
+
+    broker_id: str
+    epoch: int
+    generation: int
+    backend: str
+    metadata: bytes
+    layout: EngineLayout
 
 
 class Broker:
@@ -70,7 +86,8 @@ class Broker:
         self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
         self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
-        self.parts = PartSender(self.registry, self.table, backend, peers, limits)
+        self.offers = OfferIntake(self.registry, self.table, peers, limits)
+        self.part_sender = PartSender(self.registry, self.table, backend, peers, limits, self.offers)
         self.receiver = Receiver(self.registry, self.table, peers, limits, peer_address)
         self.accepting = True
         self.stopping = asyncio.Event()  # set when the drain is over: sessions' streams end
@@ -94,16 +111,17 @@ class Broker:
         ended = self.table.live()
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.parts.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.receiver.revoked(ended, timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self.offers.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
+        await self.receiver.revoked(ended, timeout=self.limits.peer_settle_s)
         self.stopping.set()
 
     async def close(self) -> None:
         self.accepting = False
         self.stopping.set()
-        await self._sessions.close(timeout=self.limits.peer_rpc_timeout_s * 2)
-        await self.parts.close()
-        await self.table.close(timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self._sessions.close(timeout=self.limits.peer_settle_s)
+        await self.offers.close()  # its records fail UNAVAILABLE before the parts' tasks are cancelled
+        await self.part_sender.close()
+        await self.table.close(timeout=self.limits.peer_settle_s)
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
             try:
@@ -123,7 +141,7 @@ class Broker:
                 try:
                     engine.backend_handle = await self.backend.register(engine.regions)
                 except TransferFailed as exc:
-                    raise self._engine_failed(exc) from exc
+                    raise engine_failed(self.backend.name, exc) from exc
                 session = self._sessions.get(session_id)  # it may have ended while the memory was mapped
                 engine.session_id = session_id
                 self.registry.add(engine)
@@ -162,12 +180,8 @@ class Broker:
             try:
                 await self.backend.deregister(handle)
             except TransferFailed as exc:  # the memory stays mapped: the engine may still reach it
-                raise self._engine_failed(exc) from exc
+                raise engine_failed(self.backend.name, exc) from exc
         await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
-
-    def _engine_failed(self, exc: TransferFailed) -> BrokerError:
-        """A transfer engine's failure, at any call, as the caller sees it: ABORTED, in the engine's words."""
-        return BrokerError(Code.ABORTED, f"transfer engine {self.backend.name}: {exc}")
 
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
@@ -181,26 +195,40 @@ class Broker:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
-    async def expect_transfer(self, cmd: GrantCommand) -> TransferStatus:
-        """A grant; with a sender address, offered to that broker before this returns."""
+    def info(self) -> BrokerInfo:
+        return BrokerInfo(self.broker_id, self.epoch, self.backend.name, list(self.registry),
+                          dict(self.table.counts), self.sessions())
+
+    async def expect_transfer(self, engine_id: str, command: Callable[[], GrantCommand]) -> TransferStatus:
+        """A grant (offered to its sender first, if named); NOT_FOUND before `command` converts pages."""
+        self.registry.get(engine_id)
+        cmd = command()
         self._check_accepting()
         return await self.receiver.expect(cmd)
 
-    def handshake_view(self, engine_id: str) -> Engine:
+    async def handshake(self, backend: str, engine_id: str) -> HandshakeView:
+        """A peer's Handshake: the engine's layout and generation, the engine's metadata (ABORTED)."""
+        if backend != self.backend.name:
+            raise BrokerError(Code.FAILED_PRECONDITION,
+                              f"backend: caller uses {backend!r}, this broker uses {self.backend.name!r}")
         self._check_accepting()
-        return self.registry.get(engine_id)
+        engine = self.registry.get(engine_id)
+        try:
+            metadata = await self.backend.metadata()
+        except TransferFailed as exc:
+            raise engine_failed(self.backend.name, exc) from exc
+        return HandshakeView(self.broker_id, self.epoch, engine.generation, self.backend.name, metadata,
+                             engine.layout)
 
-    def check_claimable(self, engine_id: str, request_id: str) -> None:
-        """NOT_FOUND, as `claim` answers it, for an engine or a request this broker does not have:
-        the peer servicer asks before it converts a claim's page ids."""
+    def claim(self, identity: PeerIdentity, engine_id: str, request_id: str,
+              command: Callable[[], tuple[Sequence[Component], np.ndarray]]) -> tuple[Grant, int]:
+        """A claim; NOT_FOUND for an engine or a request not here, before `command` converts its pages."""
         self.registry.get(engine_id)
         try:
             self.table.get(engine_id, request_id)
         except BrokerError:
             raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
-
-    def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: Sequence[Component],
-              dst_page_ids: np.ndarray) -> tuple[Grant, int]:
+        components, dst_page_ids = command()
         self._check_accepting()
         return self.receiver.claim(identity, engine_id, request_id, tuple(components), dst_page_ids)
 
@@ -212,23 +240,31 @@ class Broker:
     def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
         return self.receiver.take_notices(identity, notices)
 
-    def receive_offer(self, identity: PeerIdentity, offer: GrantOffer, epoch: int) -> None:
+    def receive_offer(self, identity: PeerIdentity, sender_engine_id: str, command: Callable[[int], GrantOffer],
+                      epoch: int) -> None:
+        """An offer; the engine it names looked up (NOT_FOUND) before `command` converts its pages."""
+        if sender_engine_id:
+            self.registry.get(sender_engine_id)
+        offer = command(self.limits.max_pages_per_request)
         self._check_accepting()
-        self.parts.receive_offer(identity, offer, epoch)
+        self.offers.receive_offer(identity, offer, epoch)
 
     async def revoke_offer(self, identity: PeerIdentity, engine_id: str, request_id: str, token: str, code: int,
-                           reason: str, wait_s: float) -> bool:
-        return await self.parts.revoke(identity, engine_id, request_id, token, code, reason, wait_s)
+                           reason: str, time_left: float | None) -> bool:
+        """The receiver withdraws its offer; the answer waits, bounded, until no write into it runs."""
+        wait = self.limits.peer_rpc_timeout_s if time_left is None else max(0.0, time_left - REVOKE_ANSWER_MARGIN_S)
+        return await self.offers.revoke(identity, engine_id, request_id, token, code, reason, wait)
 
-    async def transfer(self, cmd: TransferCommand, timeout: float | None) -> TransferStatus:
-        """Run one Transfer of the claimed flow through the sender pipeline (sender.py)."""
+    async def transfer(self, engine_id: str, command: Callable[[], TransferCommand | PartCommand],
+                       timeout: float | None) -> TransferStatus:
+        """One Transfer, the engine looked up (NOT_FOUND) before `command` converts its pages: the
+        claimed flow's Sender for a TransferCommand, else the PartSender."""
+        self.registry.get(engine_id)
+        cmd = command()
         self._check_accepting()
-        return await self.sender.transfer(cmd, timeout)
-
-    async def send_part(self, cmd: PartCommand, timeout: float | None) -> TransferStatus:
-        """Run one part of the offered flow through its sender pipeline (part_sender.py)."""
-        self._check_accepting()
-        return await self.parts.send_part(cmd, timeout)
+        if isinstance(cmd, TransferCommand):
+            return await self.sender.transfer(cmd, timeout)
+        return await self.part_sender.send_part(cmd, timeout)
 
     def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
         self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
@@ -240,7 +276,7 @@ class Broker:
         its task has ended (a claimed one)."""
         record = self.table.get(engine_id, request_id)
         await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
-        await self.receiver.revoked([record], timeout=self.limits.peer_rpc_timeout_s * 2)
+        await self.receiver.revoked([record], timeout=self.limits.peer_settle_s)
         return record.snapshot()
 
     async def _fence(self, record: TransferRecord) -> str:
@@ -251,12 +287,10 @@ class Broker:
             return 0
         if isinstance(record.offer, Offer):
             wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s
-            return await self.parts.abort(record, code, reason, wait)
-        task = record.task
-        if task is not None and not task.done():
-            record.code, record.reason = int(code), reason  # the sender fails the record with these
-            task.cancel()
-            await asyncio.wait([task], timeout=self.limits.peer_rpc_timeout_s * 2)
+            return await self.offers.abort(record, code, reason, wait)
+        task = record.interrupt(code, reason)  # the sender fails the record with this cause
+        if task is not None:
+            await asyncio.wait([task], timeout=self.limits.peer_settle_s)
             return 1
         return int(self.table.fail(record, code, reason))
 

@@ -23,6 +23,7 @@ import numpy as np
 from kvbroker.core.errors import BrokerError, Code, not_found, precondition
 from kvbroker.core.model import Component
 from kvbroker.core.parts import Coverage
+from kvbroker.flows.transfers import TransferRecord
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -49,7 +50,7 @@ class Offer:
     ended: BrokerError | None = None  # why no more part may be sent
     withdrawn: bool = False  # the receiver revoked it (and so needs no word of its end)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-    record: object = None  # the sender's TransferRecord once an engine holds the offer
+    record: TransferRecord | None = None  # the sender's record once an engine holds the offer
 
     def __post_init__(self) -> None:
         self.coverage = Coverage({k: len(v) for k, v in self.granted.items()})

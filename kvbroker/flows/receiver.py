@@ -20,7 +20,6 @@ Called by the Broker (the façade):
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 from dataclasses import dataclass
@@ -28,25 +27,27 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker.core.errors import BrokerError, Code, invalid
+from kvbroker.core.errors import BrokerError, Code, clip, invalid, not_found, peer_code, precondition, same_token
+from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.model import Component, TransferRole, TransferState
 from kvbroker.core.parts import Landing, landed_bytes
 from kvbroker.core.validation import (
+    check_aux,
     check_components,
     check_grant_pages,
     check_identifier,
     check_page_ids,
     check_peer_address,
+    check_unique,
     registered_pages,
 )
-from kvbroker.edge.trust import PeerIdentity
 from kvbroker.flows.registry import Registry
-from kvbroker.flows.transfers import Grant, OfferedGrant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.flows.transfers import Grant, OfferedGrant, TransferRecord, TransferStatus, TransferTable, ended_error
 from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink
 
 if TYPE_CHECKING:
-    from kvbroker.flows.broker import Limits
+    from kvbroker.flows.limits import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -62,10 +63,6 @@ class GrantCommand:
     sender_address: str = ""  # set: the offered flow
     sender_engine_id: str = ""
     shared: bool = False  # one dst_page_ids list for every component (the claimed flow's form)
-
-
-def _same(a: str, b: str) -> bool:
-    return hmac.compare_digest(a.encode(), b.encode())
 
 
 class Receiver:
@@ -134,14 +131,14 @@ class Receiver:
                              f"{offered.sender_id!r} reported parts of the grant")
         offered.sender_id, offered.sender_epoch = sender_id, epoch
         if record.state is TransferState.FAILED or record.ending is not None:  # cancelled or expired meanwhile
-            raise BrokerError(Code(record.code) if record.code in Code._value2member_map_ else Code.ABORTED,
-                              record.reason)
+            raise BrokerError(peer_code(record.code), record.reason)
 
     def claim(self, identity: PeerIdentity, engine_id: str, request_id: str, components: tuple[Component, ...],
               dst_page_ids: np.ndarray) -> tuple[Grant, int]:
         engine = self._registry.get(engine_id)
         check_segments(engine.held, engine_id)
-        grant = self._table.claim(engine_id, request_id, components, dst_page_ids, identity.name)
+        record, granted = _claimable(self._table, engine_id, request_id, components, dst_page_ids)
+        grant = self._table.hand_out(record, granted, identity.name)
         return grant, engine.generation
 
     def complete(self, identity: PeerIdentity, engine_id: str, request_id: str, claim_token: str, *,
@@ -158,7 +155,7 @@ class Receiver:
                                                       "broker's part notices complete it")
         if record.state.terminal:
             return record.state
-        if not record.claim_token or not claim_token or not _same(claim_token, record.claim_token):
+        if not record.claim_token or not claim_token or not same_token(claim_token, record.claim_token):
             raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
         if identity.name != record.peer:
             raise BrokerError(Code.PERMISSION_DENIED, f"grant {request_id!r} was claimed by {record.peer!r}, not "
@@ -168,12 +165,12 @@ class Receiver:
             if engine is not None:
                 self._segments_hold(record, engine)
             landed = min(max(pages, 0), record.claimed_pages)
-            per_page = 0 if engine is None else sum(
-                b.item_len for k in record.components for b in engine.layout.components[k].buffers)
+            per_page = 0 if engine is None else sum(engine.layout.components[k].page_bytes
+                                                    for k in record.components)
             self._table.succeed(record, pages=landed, runs=min(max(runs, 0), landed), nbytes=landed * per_page,
                                 truncated=record.claimed_pages - landed)
         else:
-            self._table.fail(record, _known(code), f"sender {identity.name!r} failed: {reason[:1024]}")
+            self._table.fail(record, peer_code(code), f"sender {identity.name!r} failed: {clip(reason)}")
         return record.state
 
     def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
@@ -185,7 +182,7 @@ class Receiver:
             return PartAck(None, int(Code.NOT_FOUND),
                            f"no offered grant {n.request_id[:128]!r} on engine {n.engine_id[:128]!r}")
         offered = record.offered
-        if not _same(n.token, offered.token):
+        if not same_token(n.token, offered.token):
             return PartAck(None, int(Code.PERMISSION_DENIED), "offer_token: does not match the grant's offer")
         if offered.sender_id and identity.name != offered.sender_id:
             return PartAck(None, int(Code.PERMISSION_DENIED),
@@ -195,14 +192,10 @@ class Receiver:
         offered.sender_id = offered.sender_id or identity.name
         if not n.succeeded:
             offered.sender_failed = True
-            self._table.fail(record, _known(n.code), f"sender {identity.name!r} failed: {n.reason[:1024]}")
+            self._table.fail(record, peer_code(n.code), f"sender {identity.name!r} failed: {clip(n.reason)}")
             return PartAck(record.state, 0, record.reason)
         try:
-            if n.aux and not n.parts_total:
-                raise invalid("aux: only the last part carries the aux payload")
-            if len(n.aux) > self._limits.max_aux_bytes:
-                raise BrokerError(Code.RESOURCE_EXHAUSTED, f"aux: {len(n.aux)} bytes exceed the limit of "
-                                                           f"{self._limits.max_aux_bytes} (max_aux_bytes)")
+            check_aux(n.aux, last=bool(n.parts_total), max_aux_bytes=self._limits.max_aux_bytes)
             engine = self._registry.get(n.engine_id)
             offered.landing.check(n.part, n.parts_total, n.landed)
         except BrokerError as exc:
@@ -215,11 +208,10 @@ class Receiver:
         except BrokerError as exc:
             return PartAck(record.state, int(exc.code), exc.message)
         offered.landing.land(n.part, n.parts_total, n.landed)
-        if n.parts_total:
-            record.aux = bytes(n.aux)
         complete = offered.landing.complete
         self._table.progress(record, landed=_by_component(n.landed), runs=0,
-                             nbytes=landed_bytes(engine.layout, n.landed), last=complete)
+                             nbytes=landed_bytes(engine.layout, n.landed), last=complete,
+                             aux=bytes(n.aux) if n.parts_total else None)
         if complete:
             self._table.succeed(record, truncated=offered.landing.coverage.unfilled())
         return PartAck(record.state)
@@ -266,7 +258,44 @@ def _by_component(landed) -> dict[Component, int]:
     return pages
 
 
-def _known(code: int) -> Code:
-    """A peer's failure code as ours: one outside our table (or OK) becomes ABORTED."""
-    return Code(code) if code in Code._value2member_map_ else Code.ABORTED
-
+def _claimable(table: TransferTable, engine_id: str, request_id: str, components: tuple[Component, ...],
+               dst_page_ids: np.ndarray) -> tuple[TransferRecord, np.ndarray]:
+    """The claim rules: a grant goes to one sender, once, and only pages of it. Raises without
+    changing the grant when refused; else the grant and the pages the claim hands out."""
+    try:
+        record = table.get(engine_id, request_id)
+    except BrokerError:
+        raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
+    if record.role is not TransferRole.RECEIVER:
+        raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
+    if record.state is TransferState.FAILED:
+        raise ended_error(record, "grant")
+    if record.offered is not None:
+        raise BrokerError(Code.PERMISSION_DENIED,
+                          f"grant {request_id!r} was offered to the broker at {record.offered.sender_address}; "
+                          "only that broker's parts may write it")
+    if record.state is not TransferState.PENDING:
+        raise BrokerError(Code.PERMISSION_DENIED,
+                          f"grant {request_id!r} was already claimed (state {record.state.name})")
+    outside = [c.name for c in components if c not in record.components]
+    if outside:
+        raise BrokerError(Code.PERMISSION_DENIED,
+                          f"components: {', '.join(outside)} not in the grant for request {request_id!r}")
+    components = components or record.components
+    lists = {id(record.granted[c]) for c in components}
+    if len(lists) != 1:
+        raise precondition(f"grant {request_id!r} has a page list per component; the claimed flow moves one "
+                           "list, so only an offered grant (sender_address) can have several")
+    granted = record.granted[components[0]]
+    if dst_page_ids.size:
+        check_unique(dst_page_ids, "dst_page_ids", "a page of the grant is claimed at most once")
+        inside = np.isin(dst_page_ids, granted)
+        if not inside.all():
+            bad = int(np.flatnonzero(~inside)[0])
+            raise BrokerError(
+                Code.PERMISSION_DENIED,
+                f"dst_page_ids[{bad}]: page {int(dst_page_ids[bad])} is outside the grant for request "
+                f"{request_id!r}",
+            )
+        granted = dst_page_ids
+    return record, granted

@@ -178,6 +178,7 @@ class Registry:
 
     def _allocate_pool(self, spec: EngineSpec) -> tuple[BrokerPool, EngineSpec]:
         """One GPU pool for every layer buffer; the spec with each buffer's memory naming its place in it."""
+        assert spec.broker_allocation is not None  # only a broker-allocated spec comes here
         device = spec.broker_allocation.device
         lengths = [b.length for c in spec.components for b in c.layer_buffers]
         offsets, size = plan_pool(lengths)

@@ -9,11 +9,11 @@ phases, each a short method:
     rules    every topology rule of topology.py; a failing cached handshake is refreshed once
     claim    the receiver's grant (PeerLink.claim); a changed epoch or generation refreshes the handshake
     plan     page lists → runs → descriptors (planner.plan_transfer, pure)
-    write    TRANSFERRING, then the transfer engine moves the bytes (Backend.write); the engine's
-             segments are checked before and after (memory.check_segments: shrunk or poisoned)
+    write    TRANSFERRING, then the send step both flows share (send_step.write): the engine
+             moves the bytes, its segments checked before and after
     notify   CompleteTransfer to the receiver (PeerLink.complete), then SUCCEEDED
 
-Any failure fails the record with the code and message of what raised; once the grant is claimed,
+Any failure fails the record with the code and message of what raised (send_step.failure); once the grant is claimed,
 the receiver is told of the failure too. Only the claimant may fail a grant, with the claim's
 token: so a rule's refusal claims the grant before it is told, and the receiver's watchers see the
 rule. This is the claimed flow; the offered flow's sender is part_sender.py.
@@ -28,19 +28,20 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvbroker.backends.base import Backend, TransferFailed
+from kvbroker.backends.base import Backend
 from kvbroker.core import topology
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.core.model import Component, TransferState
 from kvbroker.core.planner import TransferPlan, plan_transfer
 from kvbroker.core.validation import check_components, check_identifier, check_page_ids, registered_pages
-from kvbroker.flows.registry import Engine, Registry
+from kvbroker.flows.registry import Registry
+from kvbroker.flows.send_step import SendJob, failure, write
 from kvbroker.flows.transfers import Grant, TransferRecord, TransferStatus, TransferTable
 from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import PeerLink, PeerSession
 
 if TYPE_CHECKING:
-    from kvbroker.flows.broker import Limits
+    from kvbroker.flows.limits import Limits
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -57,20 +58,13 @@ class TransferCommand:
 
 
 @dataclass
-class _Send:
+class _Send(SendJob):
     """One transfer on its way: what its phases read, and what its failure path needs to know."""
 
     record: TransferRecord
-    engine: Engine
     cmd: TransferCommand
-    budget: float
-    caller_bound: bool  # the budget is the caller's deadline (its expiry is DEADLINE_EXCEEDED), not transfer_timeout_s
-    deadline: float  # loop time
     token: str = ""  # the claim's, once claimed
     reached_peer: bool = False
-
-    def left(self) -> float:
-        return max(0.0, self.deadline - asyncio.get_running_loop().time())
 
 
 class Sender:
@@ -97,48 +91,38 @@ class Sender:
         if cmd.dst_page_ids.size:
             check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
                            self._limits.max_pages_per_request, unique=True)
-        limit = self._limits.transfer_timeout_s
-        budget = limit if timeout is None else min(timeout, limit)
         record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
-        caller_bound = timeout is not None and timeout <= limit
-        record.task = asyncio.create_task(self._send(record, engine, cmd, budget, caller_bound),
-                                          name=f"transfer {cmd.engine_id}/{cmd.request_id}")
-        await asyncio.shield(record.task)
+        job = _Send(cmd.engine_id, engine, *SendJob.budget_for(timeout, self._limits.transfer_timeout_s),
+                    record, cmd)
+        task = record.run(self._send(job), f"transfer {cmd.engine_id}/{cmd.request_id}")
+        await asyncio.shield(task)
         status = record.snapshot()
         if status.state is TransferState.FAILED:
             raise BrokerError(Code(status.code), status.reason)
         return status
 
-    async def _send(self, record: TransferRecord, engine: Engine, cmd: TransferCommand, budget: float,
-                    caller_bound: bool) -> None:
+    async def _send(self, job: _Send) -> None:
         """Session, rules, claim, plan, write, notify; every way out ends the record."""
-        job = _Send(record, engine, cmd, budget, caller_bound, asyncio.get_running_loop().time() + budget)
+        record, cmd = job.record, job.cmd
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout(job.budget):
                 session = await self._session(job)
                 session = await self._rules(job, session)
                 session, grant = await self._claim(job, session)
-                plan = plan_transfer(engine.layout, session.engine, record.components, cmd.src_page_ids,
+                plan = plan_transfer(job.engine.layout, session.engine, record.components, cmd.src_page_ids,
                                      grant.dst_page_ids, max_pages=self._limits.max_pages_per_request)
                 await self._write(job, session, grant, plan)
                 await self._notify(job, plan)
-        except TimeoutError:
-            self._table.fail(record, Code.DEADLINE_EXCEEDED if caller_bound else Code.UNAVAILABLE,
-                             f"transfer did not complete within {budget:.3f}s")
-        except BrokerError as exc:
-            self._table.fail(record, exc.code, exc.message)
-        except asyncio.CancelledError:
-            self._table.fail(record, record.code or Code.CANCELLED, record.reason or "transfer was cancelled")
-        except Exception as exc:  # a bug must end the request, not wedge it
-            log.exception("transfer %s failed unexpectedly", cmd.request_id)
-            self._table.fail(record, Code.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        except (Exception, asyncio.CancelledError) as exc:
+            cancelled = BrokerError(Code(record.code or Code.CANCELLED), record.reason or "transfer was cancelled")
+            error = failure(exc, job, "transfer", cmd.request_id, cancelled)
+            self._table.fail(record, error.code, error.message)
         finally:
-            record.task = None
             if record.state is TransferState.FAILED and job.reached_peer:
                 await self._tell_peer_failed(job)
 
     def _rpc_timeout(self, job: _Send) -> float:
-        return min(job.left(), self._limits.peer_rpc_timeout_s)
+        return job.rpc_timeout(self._limits.peer_rpc_timeout_s)
 
     async def _handshake(self, job: _Send, *, refresh: bool) -> PeerSession:
         return await self._peers.session(job.cmd.peer_address, job.cmd.remote_engine_id, refresh=refresh,
@@ -187,24 +171,14 @@ class Sender:
         return session, claimed.grant
 
     async def _write(self, job: _Send, session: PeerSession, grant: Grant, plan: TransferPlan) -> None:
-        check_segments(job.engine.held, job.cmd.engine_id)
-        self._table.start(job.record)
-        write_budget = min(job.left(), grant.remaining_s)
-        try:
-            await self._backend.write(session.peer_handle, plan.descriptors, write_budget)
-        except TransferFailed as exc:
-            check_segments(job.engine.held, job.cmd.engine_id)  # a shrunk source is the cause to report
-            raise BrokerError(Code.ABORTED, f"transfer engine {self._backend.name}: {exc}") from exc
-        except TimeoutError as exc:  # the caller's deadline, or an engine that stopped making progress
-            code = Code.DEADLINE_EXCEEDED if job.caller_bound and job.left() <= 0.01 else Code.ABORTED
-            raise BrokerError(code, f"transfer engine {self._backend.name}: {exc}") from exc
-        check_segments(job.engine.held, job.cmd.engine_id)  # shrunk during the write: zeros may have been sent
+        await write(self._backend, job, session.peer_handle, plan.descriptors,
+                    lambda: min(job.left(), grant.remaining_s), lambda: self._table.start(job.record))
 
     async def _notify(self, job: _Send, plan: TransferPlan) -> None:
         """Tell the receiver what was written; the request succeeds once it agrees."""
         record, cmd, runs = job.record, job.cmd, plan.runs
-        record.pages, record.runs, record.bytes, record.truncated_pages = (
-            runs.pages, runs.count, plan.descriptors.nbytes, plan.truncated)
+        self._table.written(record, pages=runs.pages, runs=runs.count, nbytes=plan.descriptors.nbytes,
+                            truncated=plan.truncated)
         state = await self._peers.complete(cmd.peer_address, cmd.remote_engine_id, cmd.request_id, job.token,
                                            record.snapshot(), timeout=self._rpc_timeout(job))
         if state is not TransferState.SUCCEEDED:

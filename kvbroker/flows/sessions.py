@@ -6,7 +6,6 @@ cancelled and cannot wait for in-flight writes). Used by the Broker only, on the
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -14,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvbroker.core.errors import BrokerError, invalid, not_found
+from kvbroker.core.tasks import OwnedTasks
 from kvbroker.flows.registry import Registry
 
 log = logging.getLogger("kvbroker.transfer")  # the Broker's, whose lines these were
@@ -36,7 +36,7 @@ class Sessions:
         self._registry = registry
         self._unregister = unregister  # Broker.unregister_engine(engine_id, wait_s)
         self._open: dict[str, Session] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks()
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._open.values()))
@@ -67,9 +67,7 @@ class Sessions:
         session = self._open.pop(session_id, None)
         if session is None:
             return
-        task = asyncio.create_task(self._release(session, wait_s), name=f"end session {session_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._release(session, wait_s), f"end session {session_id}")
 
     async def _release(self, session: Session, wait_s: float) -> None:
         released = 0
@@ -89,5 +87,4 @@ class Sessions:
         """End every session at once (no wait for writes) and wait up to `timeout` for their engines to go."""
         for session_id in list(self._open):
             self.end(session_id, 0.0)
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=timeout)
+        await self._tasks.wait(timeout)

@@ -26,20 +26,21 @@ grant lands any more.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvbroker.core.errors import BrokerError, Code, code_name, not_found, precondition
 from kvbroker.core.model import Component, TransferRole, TransferState
 from kvbroker.core.parts import Landing
-from kvbroker.core.validation import check_unique
+from kvbroker.core.tasks import OwnedTasks
 
 log = logging.getLogger("kvbroker.transfer")
 
@@ -59,7 +60,7 @@ class TransferStatus:
     truncated_pages: int = 0
     duration_us: int = 0
     parts: int = 0
-    aux: bytes = b""  # the receiver's, with SUCCEEDED only
+    aux: builtins.bytes = b""  # the receiver's, with SUCCEEDED only (builtins: a field is named bytes)
 
 
 @dataclass(eq=False)
@@ -110,7 +111,7 @@ class TransferRecord:
     claim_token: str = ""
     claimed_pages: int = 0  # the claimed flow: pages the claim handed out, the bound of what can land
     offered: OfferedGrant | None = None
-    aux: bytes = b""
+    aux: builtins.bytes = b""
     # sender side, the offered flow: the offer it writes into (kvbroker.flows.offers.Offer)
     offer: object = None
     # ownership: timers and the sender's task are cancelled when the record ends
@@ -129,6 +130,27 @@ class TransferRecord:
         """Its outcome is decided: it ended, or it is ending (an offered grant waiting for its fence)."""
         return self.state.terminal or self.ending is not None
 
+    def run(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
+        """The sender's task of this record (the claimed flow): the record owns it until it ends."""
+        task = self.task = asyncio.get_running_loop().create_task(coro, name=name)
+
+        def ended(_: asyncio.Task) -> None:
+            if self.task is task:
+                self.task = None
+
+        task.add_done_callback(ended)
+        return task
+
+    def interrupt(self, code: Code, reason: str) -> asyncio.Task | None:
+        """Cancel this live record's task, which then fails the record (through the table) with
+        this cause; the task, or None when none runs."""
+        task = self.task
+        if task is None or task.done() or self.settled:
+            return None
+        self.code, self.reason = int(code), reason
+        task.cancel()
+        return task
+
     def snapshot(self) -> TransferStatus:
         end = self.finished if self.finished is not None else time.monotonic()
         aux = self.aux if self.state is TransferState.SUCCEEDED else b""
@@ -137,6 +159,17 @@ class TransferRecord:
             self.pages, self.runs, self.bytes, self.truncated_pages, int((end - self.started) * 1e6),
             self.parts, aux,
         )
+
+
+def ended_error(record: TransferRecord, noun: str) -> BrokerError:
+    """Why a request that ended takes no more (a claim, a part); `noun` names it ("grant",
+    "request"). A failed one answers DEADLINE_EXCEEDED if it expired, else FAILED_PRECONDITION."""
+    what = f"{noun} {record.request_id!r}"
+    if record.state is TransferState.SUCCEEDED:
+        return precondition(f"{what} completed already; no part may follow")
+    if record.code == Code.DEADLINE_EXCEEDED:
+        return BrokerError(Code.DEADLINE_EXCEEDED, f"{what} has failed: {record.reason}")
+    return precondition(f"{what} has failed: {record.reason}")
 
 
 class TransferObserver(Protocol):
@@ -152,7 +185,7 @@ class TransferTable:
                  fence: Callable[[TransferRecord], Awaitable[str]] | None = None) -> None:
         self._observer = observer
         self._fence = fence  # an offered grant's revocation at its sender: "" once confirmed, else why not
-        self._ending: set[asyncio.Task] = set()
+        self._ending = OwnedTasks()
         self._records: dict[tuple[str, str], TransferRecord] = {}
         self._ended: dict[tuple[str, str], None] = {}  # insertion-ordered, oldest first
         self._retention_s = retention_s
@@ -214,6 +247,11 @@ class TransferTable:
         if state_changed and self._observer is not None:
             self._observer.transfer_changed(record)
 
+    def written(self, record: TransferRecord, *, pages: int, runs: int, nbytes: int, truncated: int) -> None:
+        """What the claimed flow's write moved, before the receiver confirms it (its notice carries them)."""
+        if not record.settled:
+            record.pages, record.runs, record.bytes, record.truncated_pages = pages, runs, nbytes, truncated
+
     def start(self, record: TransferRecord) -> None:
         if record.state is TransferState.PENDING and record.ending is None:
             record.state = TransferState.TRANSFERRING
@@ -222,12 +260,14 @@ class TransferTable:
             self._publish(record)
 
     def progress(self, record: TransferRecord, *, landed: dict[Component, int], runs: int, nbytes: int,
-                 last: bool = False) -> None:
+                 last: bool = False, aux: builtins.bytes | None = None) -> None:
         """A part of a live request landed (`landed`: its pages per component): its counts join the
         record's, and watchers see them (unless it is the `last`, which the caller ends the record
-        with at once)."""
+        with at once). `aux`: the last part's, kept for the SUCCEEDED status."""
         if record.settled:
             return
+        if aux is not None:
+            record.aux = aux
         record.parts += 1
         for kind, pages in landed.items():
             record.component_pages[kind] = record.component_pages.get(kind, 0) + pages
@@ -253,21 +293,9 @@ class TransferTable:
             record.offered.landing = None
         record.done.set()
         self._publish(record)
-        self._log_end(record)
+        _log_end(record)
         self._ended[record.key] = None
         self._trim()
-
-    @staticmethod
-    def _log_end(record: TransferRecord) -> None:
-        s = record.snapshot()
-        log.info(
-            "transfer %s", s.state.name.lower(),
-            extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
-                   "peer": record.peer, "components": [c.name for c in s.components], "pages": s.pages,
-                   "runs": s.runs, "bytes": s.bytes, "truncated_pages": s.truncated_pages,
-                   "duration_us": s.duration_us, "outcome": s.state.name,
-                   "code": code_name(s.code) if s.code else "", "reason": s.reason},
-        )
 
     def succeed(self, record: TransferRecord, *, pages: int | None = None, runs: int | None = None,
                 nbytes: int | None = None, truncated: int | None = None) -> bool:
@@ -298,10 +326,10 @@ class TransferTable:
         record.ending = asyncio.get_running_loop().create_task(self._fence_then_end(record),
                                                                name=f"fence {record.request_id}")
         self._ending.add(record.ending)
-        record.ending.add_done_callback(self._ending.discard)
         return True
 
     async def _fence_then_end(self, record: TransferRecord) -> None:
+        assert self._fence is not None  # fail() starts this only with a fence
         try:
             note = await self._fence(record)
             if note:
@@ -317,14 +345,11 @@ class TransferTable:
 
     async def close(self, timeout: float) -> None:
         """Let the fences under way finish (bounded), then cancel the rest: every record ends."""
-        if self._ending:
-            await asyncio.wait(list(self._ending), timeout=timeout)
-        for task in list(self._ending):
-            task.cancel()
-        if self._ending:  # a cancelled fence ends its record at once
-            await asyncio.wait(list(self._ending), timeout=1.0)
+        await self._ending.wait(timeout)
+        await self._ending.cancel(1.0)  # a cancelled fence ends its record at once
 
     def _expire(self, record: TransferRecord) -> None:
+        assert record.expires_at is not None  # a grant's timer
         record.timer = None
         self.fail(record, Code.DEADLINE_EXCEEDED,
                   f"grant expired: no transfer completed within its expiry of "
@@ -342,50 +367,14 @@ class TransferTable:
             if record is not None and record.state.terminal:
                 del self._records[key]
 
-    def claim(self, engine_id: str, request_id: str, components: tuple[Component, ...],
-              dst_page_ids: np.ndarray, claimant: str) -> Grant:
-        """Hand a grant to one sender, once. Raises without changing the grant when refused."""
-        try:
-            record = self.get(engine_id, request_id)
-        except BrokerError:
-            raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
-        if record.role is not TransferRole.RECEIVER:
-            raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
-        if record.state is TransferState.FAILED:
-            code = Code.DEADLINE_EXCEEDED if record.code == Code.DEADLINE_EXCEEDED else Code.FAILED_PRECONDITION
-            raise BrokerError(code, f"grant {request_id!r} has failed: {record.reason}")
-        if record.offered is not None:
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"grant {request_id!r} was offered to the broker at {record.offered.sender_address}; "
-                              "only that broker's parts may write it")
-        if record.state is not TransferState.PENDING:
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"grant {request_id!r} was already claimed (state {record.state.name})")
-        outside = [c.name for c in components if c not in record.components]
-        if outside:
-            raise BrokerError(Code.PERMISSION_DENIED,
-                              f"components: {', '.join(outside)} not in the grant for request {request_id!r}")
-        components = components or record.components
-        lists = {id(record.granted[c]) for c in components}
-        if len(lists) != 1:
-            raise precondition(f"grant {request_id!r} has a page list per component; the claimed flow moves one "
-                               "list, so only an offered grant (sender_address) can have several")
-        granted = record.granted[components[0]]
-        if dst_page_ids.size:
-            check_unique(dst_page_ids, "dst_page_ids", "a page of the grant is claimed at most once")
-            inside = np.isin(dst_page_ids, granted)
-            if not inside.all():
-                bad = int(np.flatnonzero(~inside)[0])
-                raise BrokerError(
-                    Code.PERMISSION_DENIED,
-                    f"dst_page_ids[{bad}]: page {int(dst_page_ids[bad])} is outside the grant for request "
-                    f"{request_id!r}",
-                )
-            granted = dst_page_ids
+    def hand_out(self, record: TransferRecord, granted: np.ndarray, claimant: str) -> Grant:
+        """A claimed grant goes to its claimant (the Receiver checked the claim): TRANSFERRING, with
+        a fresh claim token; `granted` bounds what can land."""
         record.claim_token = secrets.token_hex(16)
         record.claimed_pages = int(granted.size)
         record.peer = claimant
         self.start(record)
+        assert record.expires_at is not None  # a grant's
         return Grant(granted, record.claim_token, max(0.0, record.expires_at - self._clock()))
 
     async def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
@@ -404,3 +393,15 @@ class TransferTable:
                     yield status
         finally:
             record.watchers.discard(queue)
+
+
+def _log_end(record: TransferRecord) -> None:
+    s = record.snapshot()
+    log.info(
+        "transfer %s", s.state.name.lower(),
+        extra={"request_id": s.request_id, "engine_id": s.engine_id, "role": s.role.name.lower(),
+               "peer": record.peer, "components": [c.name for c in s.components], "pages": s.pages,
+               "runs": s.runs, "bytes": s.bytes, "truncated_pages": s.truncated_pages,
+               "duration_us": s.duration_us, "outcome": s.state.name,
+               "code": code_name(s.code) if s.code else "", "reason": s.reason},
+    )

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-IPC_HANDLE_SIZE = 64  # sizeof(CUipcMemHandle) == sizeof(cudaIpcMemHandle_t)
+from kvbroker.core.validation import IPC_HANDLE_SIZE
+
 _LAZY_ENABLE_PEER_ACCESS = 0x1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 _POINTER_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 _OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY

@@ -25,7 +25,7 @@ raises SIGBUS, whose default action ends the broker and every engine on it. Thre
   guard (a transfer engine's) or kills the process as it would have. `map_shared_memory` installs
   the guard (`install_sigbus_guard`), again if a library replaced it since.
 
-GPU memory: `check_cuda_ref` validates a CUDA IPC reference without touching a GPU (pure);
+GPU memory: a CUDA IPC reference was checked without a GPU already (validation.check_cuda_ref);
 `GpuMemory`, one per Registry, opens each server allocation once (`import_allocation`, shared by
 every layer buffer and engine that names the same handle, closed when the last one lets go) and
 allocates broker-owned pools (`allocate_pool`, laid out by the pure `plan_pool`). It loads the CUDA
@@ -53,13 +53,12 @@ from typing import Protocol
 from kvbroker.core.errors import BrokerError, Code, invalid, precondition
 from kvbroker.core.model import CudaIpcRef
 from kvbroker.memory import _memguard
-from kvbroker.memory.cuda import IPC_HANDLE_SIZE, CudaError, CudaUnavailable, OpenedAllocation, load_driver
+from kvbroker.memory.cuda import CudaError, CudaUnavailable, OpenedAllocation, load_driver
 
 log = logging.getLogger(__name__)
 
 SEGMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
 SHM_DIR = Path("/dev/shm")
-MAX_DEVICE_ORDINAL = 255  # plausibility bound checked before any driver is asked
 POOL_ALIGNMENT = 4096  # bytes; every layer buffer of a broker-owned pool starts on such a boundary
 
 
@@ -211,28 +210,6 @@ def _free_bytes() -> int:
     except OSError:
         return -1
     return st.f_bavail * st.f_frsize
-
-
-def check_cuda_ref(ref: CudaIpcRef, length: int, field_name: str) -> None:
-    """Everything about a CUDA IPC reference that can be checked without a GPU; `field_name` ends in .cuda_ipc."""
-    if len(ref.handle) != IPC_HANDLE_SIZE:
-        hint = ""
-        if len(ref.handle) == IPC_HANDLE_SIZE + 2 and ref.handle[1:2] == b"c":
-            hint = ("; this looks like torch's storage handle (a version byte, 'c', then the handle): send "
-                    "its last 64 bytes, as kvbroker_client.tensors does")
-        raise invalid(f"{field_name}.handle: must be the {IPC_HANDLE_SIZE}-byte cudaIpcMemHandle_t, "
-                      f"got {len(ref.handle)} bytes{hint}")
-    if not any(ref.handle):
-        raise invalid(f"{field_name}.handle: all {IPC_HANDLE_SIZE} bytes are zero, which no cudaIpcGetMemHandle "
-                      "returns")
-    if ref.device > MAX_DEVICE_ORDINAL:
-        raise invalid(f"{field_name}.device: {ref.device} is not a plausible CUDA device ordinal "
-                      f"(at most {MAX_DEVICE_ORDINAL})")
-    if ref.allocation_size == 0:
-        raise invalid(f"{field_name}.allocation_size: must be greater than zero")
-    if ref.offset + length > ref.allocation_size:
-        raise invalid(f"{field_name}: offset {ref.offset} + length {length} exceeds allocation_size "
-                      f"{ref.allocation_size}")
 
 
 def plan_pool(lengths: Sequence[int], alignment: int = POOL_ALIGNMENT) -> tuple[list[int], int]:

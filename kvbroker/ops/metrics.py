@@ -89,7 +89,7 @@ class Metrics:
         self._page_bytes[engine.engine_id] = {}
         for kind, component in engine.layout.components.items():
             self.registered_bytes.labels(kind.name).inc(sum(b.length for b in component.buffers))
-            self._page_bytes[engine.engine_id][kind] = sum(b.item_len for b in component.buffers)
+            self._page_bytes[engine.engine_id][kind] = component.page_bytes
 
     def engine_removed(self, engine: Engine) -> None:
         self.engines.dec()

@@ -28,29 +28,44 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
+from google.protobuf.message import Message
 
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.model import Component, TransferState
+from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import declared_regions
-from kvbroker.edge import convert
-from kvbroker.edge.admission import RequestLimits
-from kvbroker.edge.codes import from_rpc_error
 from kvbroker.flows.transfers import Grant, TransferStatus
 from kvbroker.ops.metrics import Metrics
+from kvbroker.peers import wire
+from kvbroker.peers.channels import PeerChannels
 from kvbroker.peers.idle import IdlePeers
 from kvbroker.peers.link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
 from kvbroker.peers.notifier import Notifier
+from kvbroker.peers.wire import from_rpc_error
 from kvbroker_client.v1 import peer_service_pb2 as ppb
-from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
 
 _TLS_FAILURE = re.compile(r"ssl|tls|handshake|certificate", re.IGNORECASE)
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
+
+
+class ReplyBounds(Protocol):
+    """The bounds a peer's answer is held to before anything is built from it (edge/admission.py's
+    RequestLimits, handed in by server.py: the peer port's message limit and its list bounds)."""
+
+    port_bytes: int
+
+    def check_lists(self, request: Message) -> Refused | None: ...
+
+
+class Refused(Protocol):
+    message: str
 
 
 @dataclass
@@ -69,8 +84,9 @@ class PeerClients:
                  channel_options: Sequence[tuple[str, object]] = (),
                  credentials: Callable[[], tuple[int, grpc.ChannelCredentials]] | None = None,
                  metrics: Metrics | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: ReplyBounds | None = None) -> None:
         self._metrics = metrics
+        self._closing = OwnedTasks()  # disconnects and channel closes under way
         # half the peer port's message limit for a call's notices: the rest is slack for the framing
         batch_bytes = (limits.port_bytes // 2) if limits is not None else 1 << 62
         self.notifier = Notifier(self._send_notices, timeout_s=rpc_timeout_s, max_batch_bytes=batch_bytes)
@@ -78,40 +94,16 @@ class PeerClients:
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
-        self._options = list(channel_options)
-        self._credentials = credentials  # the current TLS credentials and their generation (tls.PeerTls)
-        self._rpc_timeout_s = rpc_timeout_s
-        # per peer address: the channel, its stub, the generation of the credentials it was made with
-        self._channels: dict[str, tuple[grpc.aio.Channel, ppb_grpc.PeerServiceStub, int]] = {}
+        self._channels = PeerChannels(channel_options, credentials, rpc_timeout_s, self._track)
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
-        self._closing: set[asyncio.Task] = set()  # disconnects and channel closes under way
         self._sent = itertools.count(1)  # handshakes, in the order they are sent
         self._idle = IdlePeers(idle_s, busy=self._writing_through, forget=self._forget_idle)
         self.records: dict[str, PeerRecord] = {}
 
-    def _stub(self, address: str) -> ppb_grpc.PeerServiceStub:
-        """The address's channel; one made before the TLS files last changed is replaced (its calls
-        under way finish first), so that no reconnection presents a certificate that was rotated out."""
-        entry = self._channels.get(address)
-        if self._credentials is None:
-            if entry is None:
-                channel = grpc.aio.insecure_channel(address, options=self._options)
-                entry = self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel), 0)
-            return entry[1]
-        generation, credentials = self._credentials()
-        if entry is not None and entry[2] != generation:
-            self._close_channel(address, grace=self._rpc_timeout_s)
-            entry = None
-        if entry is None:
-            channel = grpc.aio.secure_channel(address, credentials, options=self._options)
-            entry = self._channels[address] = (channel, ppb_grpc.PeerServiceStub(channel), generation)
-        return entry[1]
-
     def _track(self, task: asyncio.Task) -> None:
         self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
 
     def _disconnect(self, handles) -> None:
         """Give back these connects of the backend; the engine keeps a peer as long as a write to it runs."""
@@ -124,13 +116,6 @@ class PeerClients:
         if not task.cancelled() and task.exception() is not None:
             log.warning("transfer engine %s could not disconnect a peer: %s", self._backend.name, task.exception())
 
-    def _close_channel(self, address: str, grace: float | None = None) -> None:
-        entry = self._channels.pop(address, None)
-        if entry is not None:
-            task = asyncio.get_running_loop().create_task(entry[0].close(grace))
-            self._track(task)
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
     def _pop_sessions(self, address: str) -> list[object]:
         """Drop the cached handshakes with a peer; returns their peer handles."""
         return [self._sessions.pop(k).peer_handle for k in [k for k in self._sessions if k[0] == address]]
@@ -138,7 +123,7 @@ class PeerClients:
     def forget(self, address: str) -> None:
         """Drop what is cached of a peer; the next call reconnects and handshakes again."""
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
-        self._close_channel(address)
+        self._channels.close(address)
 
     def _writing_through(self, address: str) -> bool:
         """Whether the transfer engine writes through one of the address's handles."""
@@ -148,7 +133,7 @@ class PeerClients:
     def _forget_idle(self, address: str, idle: float) -> None:
         handles = self._pop_sessions(address) + self._parked.pop(address, [])
         self._disconnect(handles)
-        self._close_channel(address)
+        self._channels.close(address)
         record = self.records.pop(address, None)
         log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
                                                 "idle_s": round(idle, 3), "handshakes_given_back": len(handles)})
@@ -159,7 +144,7 @@ class PeerClients:
         deadline = loop.time() + timeout
         self._idle.begin(address)
         try:
-            reply = await getattr(self._stub(address), method)(request, timeout=timeout, wait_for_ready=False)
+            reply = await getattr(self._channels.stub(address), method)(request, timeout=timeout, wait_for_ready=False)
             if self._limits is not None and (refusal := self._limits.check_lists(reply)) is not None:
                 raise BrokerError(Code.RESOURCE_EXHAUSTED, f"peer broker {address}: {method} answer: {refusal.message}")
             return reply
@@ -217,7 +202,7 @@ class PeerClients:
         sent = next(self._sent)
         reply = await self._rpc(address, "Handshake", request, timeout)
         try:
-            engine = convert.engine_layout_in(reply.engine)
+            engine = wire.engine_layout_in(reply.engine)
             regions = declared_regions(engine)  # every write to the peer lies in these (planner)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
             raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.message}") from None
@@ -259,7 +244,7 @@ class PeerClients:
                                         components=[int(c) for c in components],
                                         dst_page_ids=dst_page_ids.tolist())
         reply = await self._rpc(session.address, "ClaimGrant", request, timeout)
-        grant = Grant(convert.page_ids_in(reply.dst_page_ids), reply.claim_token, reply.remaining_ms / 1000)
+        grant = Grant(wire.page_ids_in(reply.dst_page_ids), reply.claim_token, reply.remaining_ms / 1000)
         return ClaimResult(grant, reply.epoch, reply.generation)
 
     async def complete(self, address: str, engine_id: str, request_id: str, claim_token: str,
@@ -277,7 +262,7 @@ class PeerClients:
                                             f"for the grant") from None
 
     async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
-        reply = await self._rpc(address, "OfferGrant", convert.grant_offer_out(offer, self._broker_id, self._epoch),
+        reply = await self._rpc(address, "OfferGrant", wire.grant_offer_out(offer, self._broker_id, self._epoch),
                                 timeout)
         return reply.broker_id, reply.epoch
 
@@ -293,23 +278,20 @@ class PeerClients:
 
     async def _send_notices(self, address: str, notices: Sequence[PartNotice], timeout: float) -> list[PartAck]:
         request = ppb.NotifyPartsRequest(broker_id=self._broker_id, epoch=self._epoch,
-                                         notices=[convert.part_notice_out(n) for n in notices])
+                                         notices=[wire.part_notice_out(n) for n in notices])
         if self._metrics is not None:
             self._metrics.peer_notify(len(notices))
         reply = await self._rpc(address, "NotifyParts", request, timeout)
-        return [convert.part_ack_in(a, address) for a in reply.acks]
+        return [wire.part_ack_in(a, address) for a in reply.acks]
 
     async def close(self) -> None:
         await self.notifier.close()
         await self._idle.close(CLOSE_WAIT_S)
-        for address in list(self._channels):
-            self._close_channel(address)
+        self._channels.close_all()
         handles = [s.peer_handle for s in self._sessions.values()] + [h for p in self._parked.values() for h in p]
         self._sessions.clear()
         self._parked.clear()
         self._disconnect(handles)
-        if self._closing:
-            _, late = await asyncio.wait(list(self._closing), timeout=CLOSE_WAIT_S)
-            if late:
+        if late := await self._closing.wait(CLOSE_WAIT_S):
                 log.warning("%d peer channels or transfer-engine peers not released within %.0fs", len(late),
                             CLOSE_WAIT_S)

@@ -1,5 +1,5 @@
 """What a Broker needs of its peers, as a protocol, and what it gets back: `PeerLink` (implemented
-by PeerClients, peer_clients.py), `PeerSession` (a handshake's result) and `ClaimResult`; and the
+by PeerClients, peers/clients.py), `PeerSession` (a handshake's result) and `ClaimResult`; and the
 messages of the offered flow as the domain sees them: `GrantOffer` (a receiver offers a grant),
 `PartNotice` (a sender says a part landed or failed) and `PartAck` (the receiver's answer). Here
 so that the sender, the receiver and the peer clients import them without importing each other.

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.tasks import OwnedTasks
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class Notifier:
         self._window = window
         self._max_batch = max_batch
         self._peers: dict[str, _Peer] = {}
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks = OwnedTasks()
         self._closed = False
         self.calls = 0  # NotifyParts calls made, for tests and the benchmark
         self.notices = 0
@@ -63,9 +64,7 @@ class Notifier:
 
     def _start(self, address: str, peer: _Peer) -> None:
         peer.in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._drain(address, peer), name=f"notify {address}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._drain(address, peer), f"notify {address}")
 
     async def _drain(self, address: str, peer: _Peer) -> None:
         try:
@@ -119,10 +118,7 @@ class Notifier:
 
     async def close(self) -> None:
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=5)
+        await self._tasks.cancel(5)
 
 
 def _retrieved(future: asyncio.Future) -> None:

@@ -237,7 +237,7 @@ async def _one_case(side: Side, plan: Plan, shape, placements, src_seg, dst_seg,
         if first:
             dst_seg.array[:] = 0
         rid = f"bench-{side.backend}-{size_mib}-{pattern}-{rep}"
-        await side.d_client.expect_transfer(engines[1], rid, dst_ids, components=ALL, expiry_s=600)
+        await side.d_client.expect_transfer(engines[1], rid, dst_page_ids=dst_ids, components=ALL, expiry_s=600)
         started = time.perf_counter()
         status = await side.p_client.transfer(engines[0], rid, side.decode.peer_listen, engines[1], src_ids,
                                               components=ALL)
@@ -292,7 +292,7 @@ async def _parts_case(side: Side, plan: Plan, shape, placements, src_seg, dst_se
             if first:
                 dst_seg.array[:] = 0
             rid = f"bench-parts-{side.backend}-{size_mib}-{pattern}-{rep}-{split}"
-            await side.d_client.expect_transfer(engines[1], rid, pages={c: dst_ids for c in ALL},
+            await side.d_client.expect_transfer(engines[1], rid, {c: dst_ids for c in ALL},
                                                 sender_address=side.prefill.peer_listen,
                                                 sender_engine_id=engines[0], expiry_s=600)
             cuts = bounds if split > 1 else np.array([0, src_ids.size])

@@ -213,7 +213,7 @@ async def _claimed(config: dict, prefill, decode, rid: str, page: int) -> tuple[
     """ExpectTransfer, then the old flow's Transfer (it names the peer and claims the grant); the
     seconds of each."""
     t0 = time.perf_counter()
-    await decode.expect_transfer(config["decode_engine"], rid, [page], components=ALL, expiry_s=60)
+    await decode.expect_transfer(config["decode_engine"], rid, dst_page_ids=[page], components=ALL, expiry_s=60)
     t1 = time.perf_counter()
     await prefill.transfer(config["prefill_engine"], rid, config["peer"], config["decode_engine"], [page],
                            components=ALL)
@@ -226,7 +226,7 @@ async def _offered(config: dict, prefill, decode, rid: str, page: int) -> tuple[
     the seconds of each."""
     pages = {c: [page] for c in ALL}
     t0 = time.perf_counter()
-    await decode.expect_transfer(config["decode_engine"], rid, pages=pages, sender_address=config["prefill_peer"],
+    await decode.expect_transfer(config["decode_engine"], rid, pages, sender_address=config["prefill_peer"],
                                  sender_engine_id=config["prefill_engine"], expiry_s=60)
     t1 = time.perf_counter()
     status = await prefill.transfer_part(config["prefill_engine"], rid, pages, last=True)

@@ -107,7 +107,7 @@ async def _request(prefill, decode, shape, placements, src_seg, dst_seg, src_ids
             await client.register_engine(engine, request.topology, list(request.components), timeout=30)
         grant = {Component.MAIN_KV: dst_ids, Component.MINIMAX_INDEX_K: dst_ids[PREFIX_PAGES:],
                  Component.MINIMAX_DENSE_KV: dst_ids}
-        await d_client.expect_transfer("decode-0/tp0", "demo-1", pages=grant, sender_address=prefill.peer_listen,
+        await d_client.expect_transfer("decode-0/tp0", "demo-1", grant, sender_address=prefill.peer_listen,
                                        sender_engine_id="prefill-0/tp0", expiry_s=120)
         states: list[str] = []
 

@@ -96,7 +96,7 @@ async def test_transfer_moves_every_page_and_leaves_the_canaries(prefill_client,
     src_ids, dst_ids = fragmented(rng, 32, 20), fragmented(rng, 32, 20)
     before = dst.pool.bytes.copy()
     rid = unique("req")
-    grant = await decode_client.expect_transfer(dst.engine_id, rid, dst_ids, components=BOTH, expiry_s=30)
+    grant = await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=dst_ids, components=BOTH, expiry_s=30)
     assert (grant.state, grant.role) == (TransferState.PENDING, TransferRole.RECEIVER)
     peer = (await decode_client.info()).peer_address
     sent = await prefill_client.transfer(src.engine_id, rid, peer, dst.engine_id, src_ids, components=BOTH)
@@ -112,7 +112,7 @@ async def test_transfer_moves_every_page_and_leaves_the_canaries(prefill_client,
 async def test_watch_streams_each_state_of_the_grant(prefill_client, decode_client, pools):
     src, dst = await engines_on(prefill_client, decode_client, pools)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [3, 4, 5])
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[3, 4, 5])
     watch = decode_client.watch(dst.engine_id, rid, timeout=30)
     first = await anext(watch)
     assert first.state is TransferState.PENDING
@@ -126,7 +126,7 @@ async def test_cancelled_grant_makes_wait_raise_cancelled_with_the_reason(decode
     dst = pool_engine(pools, unique("decode"), fill="canary")
     await decode_client.register_engine(dst.engine_id, dst.topology, dst.components)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2])
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2])
     after = await decode_client.cancel(dst.engine_id, rid, "decode ran out of memory")
     assert after.state is TransferState.FAILED
     assert after.code is grpc.StatusCode.CANCELLED
@@ -141,7 +141,7 @@ async def test_wait_past_its_deadline_raises_deadline_exceeded(decode_client, po
     dst = pool_engine(pools, unique("decode"), fill="canary")
     await decode_client.register_engine(dst.engine_id, dst.topology, dst.components)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2], expiry_s=60)
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2], expiry_s=60)
     with pytest.raises(DeadlineExceeded) as info:
         await decode_client.wait(dst.engine_id, rid, timeout=0.3)
     assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
@@ -155,7 +155,7 @@ async def test_default_deadline_bounds_a_call_that_passes_none(client_brokers, p
         dst = pool_engine(pools, unique("decode"), fill="canary")
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         rid = unique("req")
-        await client.expect_transfer(dst.engine_id, rid, [1], expiry_s=60)
+        await client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1], expiry_s=60)
         with pytest.raises(DeadlineExceeded):
             await client.wait(dst.engine_id, rid)
         await client.unregister_engine(dst.engine_id)
@@ -165,7 +165,7 @@ async def test_expired_grant_fails_the_request_with_deadline_exceeded(decode_cli
     dst = pool_engine(pools, unique("decode"), fill="canary")
     await decode_client.register_engine(dst.engine_id, dst.topology, dst.components)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2], expiry_s=0.2)
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2], expiry_s=0.2)
     with pytest.raises(DeadlineExceeded) as info:
         await decode_client.wait(dst.engine_id, rid, timeout=10)
     assert info.value.status.state is TransferState.FAILED
@@ -197,7 +197,7 @@ async def test_malformed_engine_id_raises_invalid_argument(prefill_client, pools
 
 async def test_negative_page_id_raises_invalid_argument_before_any_call(decode_client):
     with pytest.raises(InvalidArgument) as info:
-        await decode_client.expect_transfer("any", "req", [1, -2])
+        await decode_client.expect_transfer("any", "req", dst_page_ids=[1, -2])
     assert_raised(info, InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT, "dst_page_ids[1]")
 
 
@@ -214,16 +214,16 @@ async def test_request_granted_twice_raises_already_exists(decode_client, pools)
     dst = pool_engine(pools, unique("decode"), fill="canary")
     await decode_client.register_engine(dst.engine_id, dst.topology, dst.components)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1])
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1])
     with pytest.raises(AlreadyExists) as info:
-        await decode_client.expect_transfer(dst.engine_id, rid, [2])
+        await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[2])
     assert_raised(info, AlreadyExists, grpc.StatusCode.ALREADY_EXISTS, rid)
 
 
 async def test_mismatched_page_size_raises_failed_precondition(prefill_client, decode_client, pools):
     src, dst = await engines_on(prefill_client, decode_client, pools, page_size=8)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2])
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2])
     peer = (await decode_client.info()).peer_address
     with pytest.raises(FailedPrecondition) as info:
         await prefill_client.transfer(src.engine_id, rid, peer, dst.engine_id, [1, 2])
@@ -233,7 +233,7 @@ async def test_mismatched_page_size_raises_failed_precondition(prefill_client, d
 async def test_index_k_with_pipeline_parallel_raises_failed_precondition(prefill_client, decode_client, pools):
     src, dst = await engines_on(prefill_client, decode_client, pools, pp_size=2)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2], components=BOTH)
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2], components=BOTH)
     peer = (await decode_client.info()).peer_address
     with pytest.raises(FailedPrecondition) as info:
         await prefill_client.transfer(src.engine_id, rid, peer, dst.engine_id, [1, 2], components=BOTH)
@@ -243,7 +243,7 @@ async def test_index_k_with_pipeline_parallel_raises_failed_precondition(prefill
 async def test_pages_outside_the_grant_raise_permission_denied(prefill_client, decode_client, pools):
     src, dst = await engines_on(prefill_client, decode_client, pools)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2])
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2])
     peer = (await decode_client.info()).peer_address
     with pytest.raises(PermissionDenied) as info:
         await prefill_client.transfer(src.engine_id, rid, peer, dst.engine_id, [1, 2], dst_page_ids=[1, 9])
@@ -275,7 +275,7 @@ async def test_too_many_pages_raise_resource_exhausted(brokers_of_test, pools):
         dst = pool_engine(pools, unique("decode"), fill="canary", num_pages=4)
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         with pytest.raises(ResourceExhausted) as info:
-            await client.expect_transfer(dst.engine_id, unique("req"), [0, 1, 2, 3, 4])
+            await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[0, 1, 2, 3, 4])
     assert_raised(info, ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED, "limit of 4")
 
 
@@ -283,7 +283,7 @@ async def test_unregistering_an_engine_aborts_its_grants(decode_client, pools):
     dst = pool_engine(pools, unique("decode"), fill="canary")
     await decode_client.register_engine(dst.engine_id, dst.topology, dst.components)
     rid = unique("req")
-    await decode_client.expect_transfer(dst.engine_id, rid, [1, 2])
+    await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2])
     waiting = asyncio.create_task(decode_client.wait(dst.engine_id, rid, timeout=30))
     assert await decode_client.unregister_engine(dst.engine_id) == 1
     with pytest.raises(Aborted) as info:
@@ -309,7 +309,7 @@ async def test_closing_the_client_releases_its_engines_and_fails_their_grants(cl
         client = await connect(client_brokers.decode.listen)
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         rid = unique("req")
-        await bystander.expect_transfer(dst.engine_id, rid, [1, 2])  # a grant on the held engine
+        await bystander.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2])  # a grant on the held engine
         waiting = asyncio.create_task(bystander.wait(dst.engine_id, rid, timeout=30))
         await client.close()
         with pytest.raises(Aborted) as info:
@@ -352,12 +352,12 @@ async def test_a_session_lost_without_a_restart_is_opened_again_with_the_engines
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         lost = client.session_id
         rid = unique("req")
-        await client.expect_transfer(dst.engine_id, rid, [1])
+        await client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1])
         waiting = asyncio.create_task(client.wait(dst.engine_id, rid, timeout=30))
         client._session_call.cancel()
         with pytest.raises(Aborted):
             await waiting  # the broker released the engine: its grant failed
-        status = await client.expect_transfer(dst.engine_id, unique("req"), [2], timeout=30)
+        status = await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[2], timeout=30)
         info = await client.info()
         assert status.state is TransferState.PENDING
         assert client.session_id not in ("", lost)
@@ -373,7 +373,7 @@ async def test_client_registers_its_engines_again_after_a_restart_on_the_same_po
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         old_epoch, old_session = client.epoch, client.session_id
         broker = await brokers_of_test.restart(broker)
-        status = await client.expect_transfer(dst.engine_id, unique("req"), [1, 2], timeout=30)
+        status = await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[1, 2], timeout=30)
         assert status.state is TransferState.PENDING
         info = await client.info()
         new_session = client.session_id
@@ -402,7 +402,8 @@ async def test_concurrent_calls_after_a_restart_register_once(brokers_of_test, p
         dst = pool_engine(pools, unique("decode"), fill="canary")
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         await brokers_of_test.restart(broker)
-        statuses = await asyncio.gather(*(client.expect_transfer(dst.engine_id, unique("req"), [i], timeout=30)
+        statuses = await asyncio.gather(*(client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[i],
+                                                                 timeout=30)
                                           for i in range(8)))
     assert {s.state for s in statuses} == {TransferState.PENDING}
     assert client.restarts_seen == 1
@@ -416,7 +417,7 @@ async def test_transfer_works_after_the_decode_broker_restarts(brokers_of_test, 
         await prefill_client.register_engine(src.engine_id, src.topology, src.components)
         await decode_client.register_engine(dst.engine_id, dst.topology, dst.components)
         first = unique("req")
-        await decode_client.expect_transfer(dst.engine_id, first, [1], components=BOTH)
+        await decode_client.expect_transfer(dst.engine_id, first, dst_page_ids=[1], components=BOTH)
         await prefill_client.transfer(src.engine_id, first, decode.peer_listen, dst.engine_id, [1], components=BOTH)
 
         await brokers_of_test.restart(decode)
@@ -424,7 +425,7 @@ async def test_transfer_works_after_the_decode_broker_restarts(brokers_of_test, 
         before = dst.pool.bytes.copy()
         rid = unique("req")
         src_ids, dst_ids = [5, 6, 7, 20], [30, 2, 3, 4]
-        await decode_client.expect_transfer(dst.engine_id, rid, dst_ids, components=BOTH, timeout=30)
+        await decode_client.expect_transfer(dst.engine_id, rid, dst_page_ids=dst_ids, components=BOTH, timeout=30)
         await prefill_client.transfer(src.engine_id, rid, decode.peer_listen, dst.engine_id, src_ids,
                                       components=BOTH, timeout=30)
         await decode_client.wait(dst.engine_id, rid, timeout=30)
@@ -447,7 +448,7 @@ async def test_wait_on_a_stopping_broker_raises_unavailable(brokers_of_test, poo
         dst = pool_engine(pools, unique("decode"), fill="canary")
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         rid = unique("req")
-        await client.expect_transfer(dst.engine_id, rid, [1])
+        await client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1])
         watch = client.watch(dst.engine_id, rid, timeout=30)
         assert (await anext(watch)).state is TransferState.PENDING
         waiting = asyncio.create_task(client.wait(dst.engine_id, rid, timeout=30))
@@ -485,7 +486,7 @@ async def test_a_broker_owned_engine_is_not_registered_again_after_a_restart(bro
         client._engines[pooled.engine_id].memory_ownership = bpb.MEMORY_OWNERSHIP_BROKER
         await brokers_of_test.restart(broker)
         with pytest.raises(NotFound) as info:
-            await client.expect_transfer(pooled.engine_id, unique("req"), [1], timeout=30)
+            await client.expect_transfer(pooled.engine_id, unique("req"), dst_page_ids=[1], timeout=30)
         assert client.lost_engines == (pooled.engine_id,)
         assert (await client.info()).engine_ids == (kept.engine_id,)
         assert await client.unregister_engine(pooled.engine_id) == 0

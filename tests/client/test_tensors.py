@@ -170,7 +170,7 @@ async def test_transfer_between_engines_registered_from_torch_tensors(prefill_cl
     before = dst_pool.bytes.copy()
     assert (before == CANARY).all()
     both = (Component.MAIN_KV, Component.MINIMAX_INDEX_K)
-    await decode_client.expect_transfer(dst_id, rid, dst_ids, components=both)
+    await decode_client.expect_transfer(dst_id, rid, dst_page_ids=dst_ids, components=both)
     peer = (await decode_client.info()).peer_address
     await prefill_client.transfer(src_id, rid, peer, dst_id, src_ids, components=both)
     assert (await decode_client.wait(dst_id, rid, timeout=30)).state is TransferState.SUCCEEDED
@@ -193,7 +193,7 @@ async def test_transfer_from_a_tensor_torch_shared_by_file_name(prefill_client, 
         src_id, dst_id, rid = unique("prefill"), unique("decode"), unique("req")
         await prefill_client.register_engine(src_id, topology, [flat_component([src])])
         await decode_client.register_engine(dst_id, topology, [flat_component([dst], segments=dst_pool)])
-        await decode_client.expect_transfer(dst_id, rid, [9, 3])
+        await decode_client.expect_transfer(dst_id, rid, dst_page_ids=[9, 3])
         peer = (await decode_client.info()).peer_address
         await prefill_client.transfer(src_id, rid, peer, dst_id, [0, 15])
         await decode_client.wait(dst_id, rid, timeout=30)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import time
 
 import grpc
@@ -17,47 +16,14 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.integration.flows import MEDIUM, free_port, grant, transfer_call, until_state
 
 pytestmark = pytest.mark.integration
 
 # About 350 MB per request: long enough on loopback that "mid-transfer" is a real window.
-MEDIUM = shapes.ModelShape("medium", 3, 4, page_size=16, kv_heads=8, head_dim=128, kv_bytes=2, index_head_dim=128,
-                         index_bytes=1, num_pages=1024, request_pages=768)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def grant(dst, request_id, ids, expiry_ms=30_000):
-    await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
-        request_id=request_id, engine_id=dst.engine_id, components=ALL, dst_page_ids=list(map(int, ids)),
-        expiry_ms=expiry_ms), timeout=10)
-
-
-def transfer(src, dst, request_id, ids, timeout=60.0):
-    return src.stub.Transfer(bpb.TransferRequest(
-        request_id=request_id, engine_id=src.engine_id, peer_address=dst.broker.peer_address,
-        remote_engine_id=dst.engine_id, components=ALL, src_page_ids=list(map(int, ids))), timeout=timeout)
-
-
-async def until_state(engine, request_id, state, timeout=60.0):
-    """Watch until `state` (or a terminal one); returns every status seen."""
-    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=timeout)
-    seen = []
-    while (update := await call.read()) is not grpc.aio.EOF:
-        seen.append(update.status)
-        if update.status.state in (state, pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED):
-            break
-    call.cancel()
-    return seen
 
 
 @pytest.fixture
@@ -76,7 +42,7 @@ async def test_receiver_killed_mid_transfer_ends_the_transfer_within_its_deadlin
     src = await engines.make(prefill, "prefill", MEDIUM)
     dst = await engines.make(decode, "decode", MEDIUM, fill="canary")
     await grant(dst, request_id, range(MEDIUM.request_pages))
-    sending = asyncio.ensure_future(transfer(src, dst, request_id, range(MEDIUM.request_pages), timeout=30))
+    sending = asyncio.ensure_future(transfer_call(src, dst, request_id, range(MEDIUM.request_pages), timeout=30))
     seen = await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
     assert seen[-1].state == pb.TRANSFER_STATE_TRANSFERRING
     decode.process.kill()
@@ -102,7 +68,7 @@ async def test_receiver_killed_while_its_engine_moves_bytes_over_tcp_is_an_engin
         ids = np.arange(MEDIUM.request_pages)
         await grant(dst, request_id, ids)
         expected = expected_after(src, dst, dst.segment.array.copy(), ALL, ids, ids)
-        sending = asyncio.ensure_future(transfer(src, dst, request_id, ids, timeout=30))
+        sending = asyncio.ensure_future(transfer_call(src, dst, request_id, ids, timeout=30))
         await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
         decode.process.process.send_signal(signal.SIGSTOP)  # nothing lands from here on
         assert not np.array_equal(dst.segment.array, expected), "the write ended before the receiver was stopped"
@@ -125,7 +91,7 @@ async def test_sender_killed_mid_transfer_expires_the_grant_for_its_watchers(pai
     src = await engines.make(prefill, "prefill", MEDIUM)
     dst = await engines.make(decode, "decode", MEDIUM, fill="canary")
     await grant(dst, request_id, range(MEDIUM.request_pages), expiry_ms=3000)
-    sending = asyncio.ensure_future(transfer(src, dst, request_id, range(MEDIUM.request_pages)))
+    sending = asyncio.ensure_future(transfer_call(src, dst, request_id, range(MEDIUM.request_pages)))
     await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
     prefill.process.kill()
     final = await until_state(dst, request_id, pb.TRANSFER_STATE_FAILED, timeout=20)
@@ -143,7 +109,7 @@ async def test_peer_restart_is_noticed_and_the_next_transfer_succeeds(backend, e
         src = await engines.make(prefill, "prefill")
         dst = await engines.make(decode, "decode", fill="canary")
         await grant(dst, request_id, range(4))
-        await transfer(src, dst, request_id, range(4))
+        await transfer_call(src, dst, request_id, range(4))
         first_epoch = (await decode.stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=10)).epoch
         assert await close_broker(decode) == 0
 
@@ -151,7 +117,7 @@ async def test_peer_restart_is_noticed_and_the_next_transfer_succeeds(backend, e
         again = await engines.make(decode, "decode", fill="canary")
         before = again.segment.array.copy()
         await grant(again, request_id + "-2", [7, 8, 9])
-        reply = await transfer(src, again, request_id + "-2", [1, 2, 3])
+        reply = await transfer_call(src, again, request_id + "-2", [1, 2, 3])
         assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
         assert_bytes(again, expected_after(src, again, before, ALL, [1, 2, 3], [7, 8, 9]))
         info = await prefill.stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=10)
@@ -174,12 +140,12 @@ async def test_sigterm_drains_in_flight_transfers_and_refuses_new_ones(pair, eng
     await grant(dst, request_id + "-late", [MEDIUM.num_pages - 1])
     health = health_pb2_grpc.HealthStub(prefill.channel).Watch(health_pb2.HealthCheckRequest(), timeout=60)
     assert (await health.read()).status == health_pb2.HealthCheckResponse.SERVING
-    sending = asyncio.ensure_future(transfer(src, dst, request_id, ids))
+    sending = asyncio.ensure_future(transfer_call(src, dst, request_id, ids))
     await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
     prefill.process.process.send_signal(signal.SIGTERM)
     assert (await health.read()).status == health_pb2.HealthCheckResponse.NOT_SERVING
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await transfer(src, dst, request_id + "-late", [0])
+        await transfer_call(src, dst, request_id + "-late", [0])
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in info.value.details()
     reply = await asyncio.wait_for(sending, 60)
     assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
@@ -194,7 +160,7 @@ async def test_unregistering_a_receiver_mid_transfer_waits_for_the_write(brokers
     ids = np.arange(MEDIUM.request_pages)
     before = dst.segment.array.copy()
     await grant(dst, request_id, ids)
-    sending = asyncio.ensure_future(transfer(src, dst, request_id, ids))
+    sending = asyncio.ensure_future(transfer_call(src, dst, request_id, ids))
     await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
     await dst.stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=dst.engine_id), timeout=60)
     assert sending.done(), "unregistration returned while the transfer was still writing"
@@ -208,7 +174,7 @@ async def test_cancelling_an_outgoing_transfer_fails_it_on_both_sides(brokers, e
     dst = await engines.make(brokers.decode, "decode", MEDIUM, fill="canary")
     ids = np.arange(MEDIUM.request_pages)
     await grant(dst, request_id, ids)
-    sending = asyncio.ensure_future(transfer(src, dst, request_id, ids))
+    sending = asyncio.ensure_future(transfer_call(src, dst, request_id, ids))
     await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
     await src.stub.CancelTransfer(bpb.CancelTransferRequest(engine_id=src.engine_id, request_id=request_id,
                                                             reason="prefill aborted"), timeout=30)
@@ -229,6 +195,6 @@ async def test_a_watcher_that_disconnects_leaves_the_request_alone(brokers, engi
                                       timeout=10)
         assert (await call.read()).status.state == pb.TRANSFER_STATE_PENDING
         call.cancel()
-    reply = await transfer(src, dst, request_id, range(4))
+    reply = await transfer_call(src, dst, request_id, range(4))
     assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
     assert_bytes(dst, expected_after(src, dst, before, ALL, range(4), range(4)))

@@ -42,7 +42,7 @@ from tests.conftest import (
     expected_after,
     run_engines_in_child,
 )
-from tests.integration.test_transfer import grant, transfer
+from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL, BrokerPair, close_broker, open_broker
-from tests.integration.test_transfer import grant, transfer
+from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
 

@@ -10,62 +10,25 @@ import grpc
 import numpy as np
 import pytest
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL, assert_bytes
+from tests.integration.flows import (
+    DENSE,
+    INDEX,
+    M3,
+    MAIN,
+    expect_pages,
+    offer,
+    part,
+    refusal,
+    rest,
+    watch_all,
+    watch_first,
+)
 
 pytestmark = pytest.mark.integration
 
-MAIN, INDEX, DENSE = pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K, pb.COMPONENT_MINIMAX_DENSE_KV
-M3 = ("MAIN_KV", "MINIMAX_INDEX_K", "MINIMAX_DENSE_KV")
-
-
-async def offer(dst, src, request_id, pages: dict, *, sender_engine=True, expiry_ms=30_000, timeout=10):
-    """ExpectTransfer naming the sender: the grant is offered to src's broker before it returns."""
-    return await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
-        request_id=request_id, engine_id=dst.engine_id, expiry_ms=expiry_ms,
-        pages=[pb.ComponentPages(component=k, page_ids=list(map(int, v))) for k, v in pages.items()],
-        sender_address=src.broker.peer_address, sender_engine_id=src.engine_id if sender_engine else ""),
-        timeout=timeout)
-
-
-async def part(src, request_id, pages: dict, *, offsets=None, last=True, aux=b"", timeout=30):
-    """One Transfer of the offered flow: no peer address, source pages per component."""
-    offsets = offsets or {}
-    return await src.stub.Transfer(bpb.TransferRequest(
-        request_id=request_id, engine_id=src.engine_id, more_parts=not last, aux=aux,
-        pages=[bpb.PartPages(component=k, src_page_ids=list(map(int, v)), dst_offset=offsets.get(k, 0))
-               for k, v in pages.items()]), timeout=timeout)
-
-
-async def watch_all(engine, request_id, timeout=30):
-    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=timeout)
-    return [u.status async for u in call]
-
-
-async def rest(call) -> list:
-    """The statuses a watch still sends, read by read() (the iterator and read() do not mix)."""
-    out = []
-    while (message := await call.read()) is not grpc.aio.EOF:
-        out.append(message.status)
-    return out
-
-
-async def refusal(call) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call
-    return info.value
-
-
-def expect_pages(src, dst, before, moves):
-    """The destination pool after `moves`: (component, src ids, dst ids) each."""
-    expected = before
-    for kind, src_ids, dst_ids in moves:
-        expected = shapes.expected_destination(src.segment.array, expected, dst.shape, dst.placements, {kind},
-                                               np.asarray(src_ids), np.asarray(dst_ids))
-    return expected
 
 
 async def m3_pair(brokers, engines, seed=0):
@@ -94,14 +57,6 @@ async def test_one_part_moves_every_component_and_ends_both_sides_succeeded(brok
     assert seen[-1].state == pb.TRANSFER_STATE_SUCCEEDED and seen[-1].aux == b"first token"
     assert seen[-1].bytes == 8 * SMALL.kv_item_len * 2 * SMALL.sparse_layers
     assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_main, dst_main)]))
-
-
-async def watch_first(engine, request_id):
-    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=10)
-    first = await call.read()
-    call.cancel()
-    return first.status
 
 
 async def test_a_chunked_minimax_request_lands_every_component_and_the_aux_with_success(brokers, engines, request_id):
@@ -172,6 +127,10 @@ async def test_refused_parts_write_nothing_and_leave_the_grant_to_complete(broke
     assert overlap.code() == grpc.StatusCode.FAILED_PRECONDITION and "earlier part" in overlap.details()
     not_granted = await refusal(part(src, request_id, {INDEX: src_all[:2]}, last=False))
     assert not_granted.code() == grpc.StatusCode.PERMISSION_DENIED
+    early_dense = await refusal(part(src, request_id, {MAIN: src_all[4:6], DENSE: src_all}, offsets={MAIN: 4},
+                                     last=False))
+    assert early_dense.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rule dense-kv-length" in early_dense.details() and "more_parts" in early_dense.details()
     short_dense = await refusal(part(src, request_id, {MAIN: src_all[4:], DENSE: src_all[:7]}, offsets={MAIN: 4}))
     assert short_dense.code() == grpc.StatusCode.FAILED_PRECONDITION and "rule dense-kv-length" in short_dense.details()
     big_aux = await refusal(part(src, request_id, {MAIN: src_all[4:], DENSE: src_all}, offsets={MAIN: 4},

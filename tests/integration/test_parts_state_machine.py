@@ -74,6 +74,7 @@ from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import Engine
+from tests.integration.flows import DENSE, M3, offer
 from tests.integration.parts_model import (
     DE,
     FAILED,
@@ -97,7 +98,6 @@ from tests.integration.parts_model import (
     code_value,
     explanations,
 )
-from tests.integration.test_offered_flow import DENSE, M3, offer
 
 pytestmark = pytest.mark.integration
 
@@ -233,7 +233,7 @@ def random_part(data, m: GrantModel) -> Part:
 
 def chunk_part(data, m: GrantModel) -> Part:
     """A part the contract accepts while the grant is live: the next free entries of some
-    components; a last part takes dense KV whole if it is still unsent."""
+    components; dense KV only on a last part, and there whole (rule dense-kv-length)."""
     kinds = data.draw(st.lists(st.sampled_from(sorted(m.granted)), min_size=1, unique=True), label="components")
     sizes = data.draw(st.lists(st.integers(1, 12), min_size=3, max_size=3), label="pages per component")
     last = data.draw(one_in(4), label="last")
@@ -245,7 +245,7 @@ def chunk_part(data, m: GrantModel) -> Part:
     for kind in kinds:
         start, run = m.free_from(kind)
         if kind == DENSE:
-            if not dense_whole:
+            if not (dense_whole and last):
                 continue
             start, count = 0, len(m.granted[DENSE])
         else:
@@ -278,19 +278,22 @@ def misplaced_part(data, m: GrantModel) -> Part:
 
 
 def overtaking_parts(data, m: GrantModel) -> list[Part]:
-    """A large part, and at once an empty last part: the last part has nothing to write, so its
+    """A large part, and at once a small last part: the last part has little to write (dense KV
+    whole, if the grant has it, since only the last part may carry it; else nothing), so its
     notice usually reaches decode before the large part's, and the grant must wait for that one."""
     aux = data.draw(st.binary(min_size=1, max_size=24), label="aux")
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="source ids seed"))
     big = []
     for kind in sorted(m.granted):
         start, run = m.free_from(kind)
-        if kind == DENSE and not m.covered[DENSE].any():
-            big.append((DENSE, source_ids(rng, len(m.granted[DENSE]), False), 0))
-        elif kind != DENSE and run:
+        if kind != DENSE and run:
             big.append((kind, source_ids(rng, run, False), start))
-    kind = sorted(m.granted)[0]
-    return [Part(tuple(big), False), Part(((kind, (), len(m.granted[kind])),), True, aux)]
+    if DENSE in m.granted and not m.covered[DENSE].any():
+        last = (DENSE, source_ids(rng, len(m.granted[DENSE]), False), 0)
+    else:
+        kind = sorted(m.granted)[0]
+        last = (kind, (), len(m.granted[kind]))
+    return [Part(tuple(big), False), Part((last,), True, aux)]
 
 
 def some_parts(data, m: GrantModel, low: int, high: int) -> list[Part]:

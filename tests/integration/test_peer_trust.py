@@ -22,7 +22,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
-from tests.integration.test_offered_flow import M3, MAIN, expect_pages, offer, part, refusal, watch_first
+from tests.integration.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_first
 
 pytestmark = pytest.mark.integration
 

@@ -41,8 +41,7 @@ from tests.conftest import (
     run_engines_in_child,
     until,
 )
-from tests.integration.test_failures import free_port
-from tests.integration.test_transfer import grant, transfer
+from tests.integration.flows import free_port, grant, transfer
 
 pytestmark = pytest.mark.integration
 

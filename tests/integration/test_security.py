@@ -9,6 +9,7 @@ import trustme
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.integration.flows import grant
 
 pytestmark = pytest.mark.integration
 
@@ -42,11 +43,6 @@ async def attempt(src, dst, request_id, ids):
     return await src.stub.Transfer(bpb.TransferRequest(
         request_id=request_id, engine_id=src.engine_id, peer_address=dst.broker.peer_address,
         remote_engine_id=dst.engine_id, components=ALL, src_page_ids=ids), timeout=30)
-
-
-async def grant(dst, request_id, ids):
-    await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
-        request_id=request_id, engine_id=dst.engine_id, components=ALL, dst_page_ids=ids), timeout=10)
 
 
 async def test_a_trusted_peer_transfers_over_mutual_tls(tls_brokers, engines, request_id):

@@ -11,24 +11,12 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, SMALL, assert_bytes, expected_after
+from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
 
 INDEX_K = [pb.COMPONENT_MINIMAX_INDEX_K]
 MAIN_KV = [pb.COMPONENT_MAIN_KV]
-
-
-async def grant(dst, request_id, dst_ids, components=ALL, expiry_ms=30_000):
-    return await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
-        request_id=request_id, engine_id=dst.engine_id, components=components,
-        dst_page_ids=list(map(int, dst_ids)), expiry_ms=expiry_ms), timeout=10)
-
-
-async def transfer(src, dst, request_id, src_ids, components=ALL, dst_ids=(), timeout=60):
-    return await src.stub.Transfer(bpb.TransferRequest(
-        request_id=request_id, engine_id=src.engine_id, peer_address=dst.broker.peer_address,
-        remote_engine_id=dst.engine_id, components=components, src_page_ids=list(map(int, src_ids)),
-        dst_page_ids=list(map(int, dst_ids))), timeout=timeout)
 
 
 async def states(engine, request_id):

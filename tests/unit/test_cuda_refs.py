@@ -20,7 +20,7 @@ from kvbroker.backends import backend_options
 from kvbroker.backends.mooncake import MooncakeBackend
 from kvbroker.backends.nixl import NixlBackend
 from kvbroker.config import Settings
-from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.errors import Code
 from kvbroker.core.model import (
     BrokerAllocation,
     BufferLayout,
@@ -49,6 +49,7 @@ from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
+from tests.helpers import refusal
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 HANDLE_A = bytes(range(1, 65))
@@ -122,11 +123,6 @@ def index_k(*buffers, num_pages=16):
 def spec(*components, engine_id="prefill-0/tp0", allocation=None):
     return EngineSpec(engine_id, TOPO, tuple(components), allocation)
 
-
-def refusal(fn, *args) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        fn(*args)
-    return info.value
 
 
 # -- validation, without touching a GPU ------------------------------------------------------------

@@ -19,7 +19,8 @@ from kvbroker.core.model import (
     Layout,
     Topology,
 )
-from kvbroker.core.parts import Coverage, Landed, Landing, PartPages, landed_bytes, plan_part
+from kvbroker.core.parts import Coverage, Landed, Landing, PartPages, check_grant_inside, landed_bytes, plan_part
+from tests.helpers import refusal
 
 MAIN, INDEX, DENSE = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 4, 0, 4, KvDtype.BFLOAT16)
@@ -50,11 +51,6 @@ def fresh(grant):
     return Coverage({k: len(v) for k, v in grant.items()})
 
 
-def refusal(fn, *args, **kwargs) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        fn(*args, **kwargs)
-    return info.value
-
 
 def test_a_chunk_lands_on_its_entries_with_one_descriptor_per_run_and_buffer():
     grant = granted()
@@ -83,16 +79,26 @@ def test_a_component_outside_the_grant_is_permission_denied():
 def test_the_last_part_must_send_dense_kv_whole():
     grant = granted()
     error = refusal(plan_part, SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.arange(8), 0)], last=True)
-    assert "rule dense-kv-length" in error.message and "0 of its 8" in error.message
+    assert "rule dense-kv-length" in error.message and "none of its 8" in error.message
     plan = plan_part(SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.arange(8), 0),
                                                      PartPages(DENSE, np.arange(8), 0)], last=True)
     assert plan.pages == 16
 
 
-def test_a_receiver_page_beyond_its_engine_is_aborted():
-    grant = {MAIN: np.array([NUM_PAGES + 1])}
-    error = refusal(plan_part, SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.array([0]), 0)], last=True)
-    assert error.code is Code.ABORTED and "inconsistent" in error.message
+def test_dense_kv_on_a_part_with_more_parts_is_refused():
+    grant = granted()
+    error = refusal(plan_part, SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.arange(4), 0),
+                                                               PartPages(DENSE, np.arange(8), 0)], last=False)
+    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
+    assert "more_parts" in error.message
+
+
+def test_a_receiver_page_beyond_its_engine_is_invalid_argument_as_in_the_claimed_flow():
+    grant = {MAIN: np.array([3, NUM_PAGES + 1])}
+    error = refusal(check_grant_inside, DST, grant, [MAIN], 1 << 20)
+    assert error.code is Code.INVALID_ARGUMENT
+    assert f"granted MAIN_KV pages[1]: page id {NUM_PAGES + 1} is out of range [0, {NUM_PAGES})" in error.message
+    check_grant_inside(DST, {MAIN: np.array([0, NUM_PAGES - 1])}, [MAIN], 1 << 20)
 
 
 def test_landing_completes_when_every_part_up_to_the_last_landed():

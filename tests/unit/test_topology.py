@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvbroker.core import topology
-from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.errors import Code
 from kvbroker.core.model import (
     BufferLayout,
     BufferRole,
@@ -19,6 +19,7 @@ from kvbroker.core.model import (
     Layout,
     Topology,
 )
+from tests.helpers import refusal
 
 BASE = Topology(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0, dp_rank=0,
                 page_size=16, start_layer=0, end_layer=4, kv_dtype=KvDtype.BFLOAT16)
@@ -34,11 +35,6 @@ def engine(topo=BASE, item_len=64, layers=(2, 3), layout=Layout.FLAT, kinds=(IND
         comps[kind] = ComponentLayout(kind, layout, 64, bufs)
     return EngineLayout("e", topo, comps)
 
-
-def refusal(fn, *args) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        fn(*args)
-    return info.value
 
 
 def test_index_with_value_is_unimplemented():
@@ -119,29 +115,38 @@ def test_dense_kv_refuses_pp_above_one_and_heterogeneous_attention_tp():
 
 def test_dense_kv_part_needs_equal_lengths():
     granted = np.arange(10, 16)
-    error = refusal(topology.part_pages, DENSE, np.arange(5), granted, 0)
+    error = refusal(topology.part_pages, DENSE, np.arange(5), granted, 0, last=True)
     assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
-    assert "sender 5, receiver 6" in error.message
-    whole = topology.part_pages(DENSE, np.arange(6), granted, 0)
+    assert "sender 5 from dst_offset 0, receiver 6" in error.message
+    whole = topology.part_pages(DENSE, np.arange(6), granted, 0, last=True)
     assert whole.dst.tolist() == granted.tolist()
+
+
+def test_dense_kv_moves_with_the_last_part_only_and_from_its_first_entry():
+    granted = np.arange(10, 16)
+    error = refusal(topology.part_pages, DENSE, np.arange(6), granted, 0, last=False)
+    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
+    assert "more_parts" in error.message
+    error = refusal(topology.part_pages, DENSE, np.arange(4), granted, 2, last=True)
+    assert "rule dense-kv-length" in error.message and "from dst_offset 2" in error.message
 
 
 @pytest.mark.parametrize("n_src, offset, n_dst", [(5, 1, 3), (2, 1, 2), (3, 0, 3)])
 def test_index_k_part_is_truncated_to_the_shorter(n_src, offset, n_dst):
-    part = topology.part_pages(INDEX, np.arange(n_src), np.arange(20, 24), offset)
+    part = topology.part_pages(INDEX, np.arange(n_src), np.arange(20, 24), offset, last=False)
     assert len(part.src) == len(part.dst) == n_dst
     assert part.dst.tolist() == list(range(20 + offset, 20 + offset + n_dst))
 
 
 def test_main_kv_part_lands_on_the_next_entries_and_drops_what_runs_past_the_end():
     granted = np.array([7, 3, 9, 1, 5])
-    part = topology.part_pages(MAIN, np.array([40, 41]), granted, 1)
+    part = topology.part_pages(MAIN, np.array([40, 41]), granted, 1, last=False)
     assert part.dst.tolist() == [3, 9] and part.dst_offset == 1
-    tail = topology.part_pages(MAIN, np.array([40, 41, 42]), granted, 3)
+    tail = topology.part_pages(MAIN, np.array([40, 41, 42]), granted, 3, last=False)
     assert tail.src.tolist() == [40, 41] and tail.dst.tolist() == [1, 5]
 
 
 def test_a_part_past_the_end_of_the_grant_is_refused():
-    error = refusal(topology.part_pages, MAIN, np.arange(2), np.arange(4), 4)
+    error = refusal(topology.part_pages, MAIN, np.arange(2), np.arange(4), 4, last=False)
     assert error.code is Code.PERMISSION_DENIED and "rule part-in-grant" in error.message
-    assert topology.part_pages(MAIN, np.arange(0), np.arange(4), 4).dst.size == 0
+    assert topology.part_pages(MAIN, np.arange(0), np.arange(4), 4, last=False).dst.size == 0

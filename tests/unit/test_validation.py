@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.errors import Code
 from kvbroker.core.model import (
     BufferLayout,
     BufferRole,
@@ -17,6 +17,7 @@ from kvbroker.core.model import (
     Topology,
 )
 from kvbroker.core.validation import check_aux, check_grant_pages, check_part_pages, check_peer_address
+from tests.helpers import refusal
 
 MAIN, INDEX, INDEX_KV = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_INDEX_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
@@ -30,11 +31,6 @@ LAYOUT = EngineLayout("e", TOPO, {
 def ids(*values):
     return np.array(values, dtype=np.int64)
 
-
-def refusal(fn, *args, **kwargs) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        fn(*args, **kwargs)
-    return info.value
 
 
 def test_grant_pages_are_checked_against_each_components_own_pages():

@@ -5,16 +5,17 @@
 
 The decode-initiated (offered) flow, as a PD server runs it:
 
-    await client.expect_transfer(engine_id, request_id, pages={Component.MAIN_KV: dst_kv, ...},
+    await client.expect_transfer(engine_id, request_id, {Component.MAIN_KV: dst_kv, ...},
                                  sender_address=prefill_peer_address)          # decode: grant, offered to prefill
     await client.transfer_part(engine_id, request_id, {Component.MAIN_KV: src_chunk},
                                dst_offsets={Component.MAIN_KV: start}, last=False)   # prefill: one per chunk
-    await client.transfer_part(engine_id, request_id, {...}, dst_offsets={...}, aux=aux_bytes)  # the last part
+    await client.transfer_part(engine_id, request_id, {...}, dst_offsets={...}, aux=aux_bytes,
+                               last=True)                                      # the last part
     status = await client.wait(engine_id, request_id)                          # decode: status.aux on SUCCEEDED
 
 The claimed flow, where the sender names the receiver:
 
-    await client.expect_transfer(engine_id, request_id, dst_page_ids)          # decode side: the grant
+    await client.expect_transfer(engine_id, request_id, dst_page_ids=dst_ids)  # decode side: the grant
     await client.transfer(engine_id, request_id, peer_address, remote_engine_id, src_page_ids)  # prefill side
     await client.wait(engine_id, request_id)                                   # either side; or watch()
 
@@ -48,6 +49,7 @@ import asyncio
 import logging
 import os
 import socket
+import warnings
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import grpc
@@ -93,6 +95,11 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
 ComponentLike = Component | int | str
 _OWNERSHIP = {"server": bpb.MEMORY_OWNERSHIP_SERVER, "broker": bpb.MEMORY_OWNERSHIP_BROKER}
 PageIds = Sequence[int] | np.ndarray
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"kvbroker_client: {old} is deprecated; use {new} (the old form goes in the next release)",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _page_ids(ids: PageIds, field_name: str) -> list[int]:
@@ -242,56 +249,87 @@ class BrokerClient:
             raise
         return reply.failed_requests
 
-    async def expect_transfer(self, engine_id: str, request_id: str, dst_page_ids: PageIds = (), *,
+    async def expect_transfer(self, engine_id: str, request_id: str,
+                              dst_pages: Mapping[ComponentLike, PageIds] | None = None, *,
+                              sender_address: str = "", sender_engine_id: str = "", expiry_s: float | None = None,
+                              timeout: float | None = None, dst_page_ids: PageIds = (),
                               components: Iterable[ComponentLike] = (Component.MAIN_KV,),
-                              pages: Mapping[ComponentLike, PageIds] | None = None, sender_address: str = "",
-                              sender_engine_id: str = "", expiry_s: float | None = None,
-                              timeout: float | None = None) -> TransferStatus:
-        """Receiver side: grant a peer the right to write these pages of these components until expiry.
+                              pages: Mapping[ComponentLike, PageIds] | None = None) -> TransferStatus:
+        """Receiver side: grant a peer the right to write these destination pages until expiry.
 
-        Either `dst_page_ids` (one list for every one of `components`) or `pages` (a list per
-        component). With `sender_address` (the prefill broker's peer address, its `info().peer_address`)
-        the grant is offered to that broker before this returns, and only it may write the grant
-        (only its engine `sender_engine_id`, when given); the sender then calls `transfer_part`.
+        The offered flow: `dst_pages` maps each component to its destination page ids, and
+        `sender_address` (the prefill broker's peer address, its `info().peer_address`) names the
+        broker the grant is offered to before this returns; only it may write the grant (only its
+        engine `sender_engine_id`, when given), with `transfer_part`. The claimed flow (the sender
+        names this broker, with `transfer`): `dst_page_ids`, one list for every one of `components`.
         `expiry_s` None takes the broker's default grant lifetime.
+
+        Deprecated, kept for a release: `pages=` (now `dst_pages=`), and a page list as the third
+        positional argument (now `dst_page_ids=`); each warns (DeprecationWarning).
         """
+        if pages is not None:
+            _deprecated("expect_transfer(pages=...)", "dst_pages=...")
+            if dst_pages is not None:
+                raise InvalidArgument("pages: give dst_pages (pages is its old name), not both")
+            dst_pages = pages
+        if dst_pages is not None and not isinstance(dst_pages, Mapping):
+            _deprecated("expect_transfer(engine_id, request_id, page_ids)", "dst_page_ids=page_ids")
+            if len(dst_page_ids):
+                raise InvalidArgument("dst_page_ids: given twice (positionally and by name)")
+            dst_pages, dst_page_ids = None, dst_pages
         request = bpb.ExpectTransferRequest(
             request_id=request_id, engine_id=engine_id, sender_address=sender_address,
             sender_engine_id=sender_engine_id, expiry_ms=0 if expiry_s is None else max(1, round(expiry_s * 1000)),
         )
-        if pages is not None:
+        if dst_pages is not None:
             if len(dst_page_ids):
-                raise InvalidArgument("dst_page_ids: give either dst_page_ids or pages, not both")
+                raise InvalidArgument("dst_page_ids: give either dst_page_ids or dst_pages, not both")
             request.pages.extend(pb.ComponentPages(component=int(Component.of(c)),
-                                                   page_ids=_page_ids(ids, f"pages[{Component.of(c).name}]"))
-                                 for c, ids in pages.items())
+                                                   page_ids=_page_ids(ids, f"dst_pages[{Component.of(c).name}]"))
+                                 for c, ids in dst_pages.items())
         else:
             request.components.extend(_components(components))
             request.dst_page_ids.extend(_page_ids(dst_page_ids, "dst_page_ids"))
         reply = await self._unary("ExpectTransfer", request, self._deadline(timeout, self.timeout))
         return TransferStatus.from_proto(reply.status)
 
-    async def transfer_part(self, engine_id: str, request_id: str, pages: Mapping[ComponentLike, PageIds], *,
-                            dst_offsets: Mapping[ComponentLike, int] | None = None, last: bool = True,
-                            aux: bytes = b"", timeout: float | None = None) -> TransferStatus:
+    async def transfer_part(self, engine_id: str, request_id: str,
+                            src_pages: Mapping[ComponentLike, PageIds] | None = None, *, last: bool | None = None,
+                            dst_offsets: Mapping[ComponentLike, int] | None = None, aux: bytes = b"",
+                            timeout: float | None = None,
+                            pages: Mapping[ComponentLike, PageIds] | None = None) -> TransferStatus:
         """Sender side of the offered flow: write one part of a grant the receiver offered to this
         broker; returns once the receiver was told (after the last part: the request's final state).
 
-        `pages` maps each component to its source page ids; they land on the grant's list of that
-        component from entry `dst_offsets[component]` (0 when not given). `last=False` for every
-        chunk that more follow; the last part may carry `aux` bytes for the receiver. If the offer
-        has not reached this broker yet, the broker waits for it (bounded by its offer_wait_s).
+        `src_pages` maps each component to its source page ids; they land on the grant's list of
+        that component from entry `dst_offsets[component]` (0 when not given). `last` says whether
+        this is the last part (`last=False` for every chunk that more follow); the last part may
+        carry `aux` bytes for the receiver. If the offer has not reached this broker yet, the broker
+        waits for it (bounded by its offer_wait_s).
+
+        Deprecated, kept for a release: `pages=` (now `src_pages=`), and leaving out `last` (it
+        meant last=True); each warns (DeprecationWarning).
         """
+        if pages is not None:
+            _deprecated("transfer_part(pages=...)", "src_pages=...")
+            if src_pages is not None:
+                raise InvalidArgument("pages: give src_pages (pages is its old name), not both")
+            src_pages = pages
+        if src_pages is None:
+            raise InvalidArgument("src_pages: the part's source page ids per component are required")
+        if last is None:
+            _deprecated("transfer_part() without last", "last=True or last=False")
+            last = True
         offsets = {Component.of(c): int(o) for c, o in (dst_offsets or {}).items()}
-        chosen = {Component.of(c) for c in pages}
+        chosen = {Component.of(c) for c in src_pages}
         if stray := sorted(c.name for c in set(offsets) - chosen):
-            raise InvalidArgument(f"dst_offsets: {', '.join(stray)} not in pages")
+            raise InvalidArgument(f"dst_offsets: {', '.join(stray)} not in src_pages")
         request = bpb.TransferRequest(
             request_id=request_id, engine_id=engine_id, more_parts=not last, aux=bytes(aux),
             pages=[bpb.PartPages(component=int(Component.of(c)),
-                                 src_page_ids=_page_ids(ids, f"pages[{Component.of(c).name}]"),
+                                 src_page_ids=_page_ids(ids, f"src_pages[{Component.of(c).name}]"),
                                  dst_offset=offsets.get(Component.of(c), 0))
-                   for c, ids in pages.items()],
+                   for c, ids in src_pages.items()],
         )
         reply = await self._unary("Transfer", request, self._deadline(timeout, self.transfer_timeout),
                                   retry_unavailable=False)
