@@ -91,6 +91,11 @@ class Settings(BaseSettings):
                                                  "interface and the RDMA ports) for NIXL, MC_MIN_RPC_PORT and "
                                                  "MC_MAX_RPC_PORT for Mooncake, unless set; empty: the engines' "
                                                  "defaults")
+    allow_unprotected_transports: bool = Field(
+        False, description="let NIXL run on UCX transports that write and read wherever a peer's remote region "
+                           "points (tcp, shared memory: UCX_TLS unset or naming them), which a forged region "
+                           "turns into writes outside registered memory; without it the broker refuses to start "
+                           "unless UCX_TLS names RDMA or GPU IPC transports only (README.md, Security)")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR")
     log_format: Literal["auto", "text", "json"] = Field(
         "auto", description="json (one object per line) or text; auto: text when stderr is a terminal, else json")

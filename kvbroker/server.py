@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvbroker.backends import create_backend
+from kvbroker.backends import create_backend, transports
 from kvbroker.config import Settings
 from kvbroker.edge.admission import Admission, PeerReads, RequestLimits
 from kvbroker.edge.peer_service import PeerServicer
@@ -119,6 +119,36 @@ def raise_fd_limit() -> int:
         except (OSError, ValueError) as exc:
             log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard, exc)
     return soft
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    """How this broker's data port is fenced, for the start-up log and GetBrokerInfo."""
+
+    data_port_range: str  # "" when unset: the engines listen on every interface, on any port
+    unprotected: str  # why its transports may write outside registered memory; "" when they cannot
+
+
+def check_data_plane(s: Settings, ucx_tls: str | None) -> DataPlane:
+    """Refuse (ValueError) transports that let a forged remote region write outside registered memory,
+    unless allow_unprotected_transports; warn when they are allowed and when the data port is open
+    to all (data_port_range unset)."""
+    why = transports.unprotected(s.backend, ucx_tls)
+    if why and not s.allow_unprotected_transports:
+        raise ValueError(f"backend {s.backend}: {why}. A peer that reaches the data port, or hands this broker a "
+                         "handshake naming a region nobody registered, then writes and reads outside registered "
+                         "memory (README.md, Security). Set UCX_TLS to RDMA or GPU IPC transports (e.g. "
+                         "rc,cuda_ipc,cuda_copy), or allow_unprotected_transports=true "
+                         "(KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS) with the data port fenced (data_port_range and "
+                         "a NetworkPolicy)")
+    if why:
+        log.warning("data port unprotected (allow_unprotected_transports): %s; whoever reaches it, and an admitted "
+                    "peer that lies in its handshake, can write and read any address of this process", why)
+    if not s.data_port_range:
+        log.warning("data_port_range is unset: the transfer engines listen on every interface, on ports no "
+                    "NetworkPolicy can name, open to all who reach the pod; set data_port_range and fence it "
+                    "(README.md, Security)")
+    return DataPlane(s.data_port_range, why)
 
 
 def peer_server_options(s: Settings) -> list[tuple[str, object]]:
@@ -216,6 +246,7 @@ class BrokerServer:
 
     async def startup(self) -> Endpoints:
         s = self.settings
+        data_plane = check_data_plane(s, os.environ.get("UCX_TLS"))
         backend = create_backend(s, f"{s.broker_id}-{os.getpid()}")
         limits = Limits.from_settings(s)
         epoch = new_epoch()
@@ -254,7 +285,7 @@ class BrokerServer:
                                      s.max_layer_buffers)
         local_server = self._grpc_server(BROKER_SERVICE, local_options, Admission(local_limits, trim=self._trim))
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
-            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s, gate), local_server)
+            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s, gate, data_plane), local_server)
         if s.listen.startswith("unix:"):
             self._socket = bind_unix(local_server, Path(s.listen.removeprefix("unix:").removeprefix("//")))
             listen = s.listen

@@ -69,9 +69,12 @@ class Backend(abc.ABC):
         writes into its own memory through a peer. Called on the event loop, it must not block."""
 
     @abc.abstractmethod
-    async def connect(self, metadata: bytes) -> object:
+    async def connect(self, metadata: bytes, regions: Sequence[Region] = ()) -> object:
         """Make a peer known from its metadata; returns the peer handle `write` takes. Counted: the same
-        peer's metadata yields an equal handle each time, and each call is undone by one `disconnect`."""
+        peer's metadata yields an equal handle each time, and each call is undone by one `disconnect`.
+        `regions`: the layer buffers the peer's handshake declares, which every write to it lies in; a
+        backend whose metadata names the peer's registered memory refuses (TransferFailed) metadata
+        that does not hold them all."""
 
     @abc.abstractmethod
     async def disconnect(self, peer: object) -> None:

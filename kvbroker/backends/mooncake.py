@@ -177,8 +177,10 @@ class MooncakeBackend(Backend):
         local = {own_host, "localhost", "0.0.0.0", "::", "[::]", "::1", "[::1]"}
         return bool(port) and port == own_port and (host in local or host.startswith("127."))
 
-    async def connect(self, metadata: bytes) -> object:
-        # The engine opens the peer's segment (its handshake) on the first write and caches it.
+    async def connect(self, metadata: bytes, regions: Sequence[Region] = ()) -> object:
+        # The engine opens the peer's segment (its handshake) on the first write and caches it. The
+        # metadata names no memory: the peer's own engine checks each write's address against the
+        # memory registered with it (transports.py), so `regions` have nothing to be checked against.
         session = metadata.decode(errors="replace")
         host, _, port = session.rpartition(":")
         if not host or not port.isdigit():

@@ -62,6 +62,8 @@ class NixlBackend(Backend):
         self._settle_s = options.transfer_timeout_s  # how long a write past its timeout may still finish
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._peers = PeerRefs()  # remote agents loaded, uses = transfers posted; on the NIXL thread only
+        self._loaded: dict[bytes, bytes] = {}  # remote agent -> the metadata it was loaded from; NIXL thread
+        self._broken: set[bytes] = set()  # remote agents whose endpoint failed (REMOTE_DISCONNECT); NIXL thread
         self._writing = PeerRefs()  # write() calls running per remote agent; on the event loop only
 
     async def _call(self, fn, *args):
@@ -121,20 +123,48 @@ class NixlBackend(Backend):
             return False
         return key.rpartition(b"#")[0] == self._agent_name.encode()
 
-    async def connect(self, metadata: bytes) -> object:
+    async def connect(self, metadata: bytes, regions: Sequence[Region] = ()) -> object:
         key, keyed = keyed_metadata(metadata)
 
         def load():
             # Loading the same metadata again (another engine of the same peer broker) is a no-op for NIXL.
             name = self._agent.add_remote_agent(keyed)
+            outside = self._outside(name, regions)
+            if outside is not None:
+                if name not in self._peers:  # loaded for this handshake only: nothing else refers to it
+                    try:
+                        self._agent.remove_remote_agent(name)
+                    except Exception as exc:  # it stays loaded, unreferenced
+                        log.warning("removing NIXL remote agent %r: %s", name, exc)
+                raise TransferFailed(
+                    f"the peer's NIXL metadata registers no region holding its declared layer buffer "
+                    f"[{outside.address:#x}, {outside.address + outside.length:#x}) "
+                    f"({'GPU ' + str(outside.device) if outside.gpu else 'host'} memory)")
             if self._peers.connect(name):
                 log.info("NIXL remote agent connected", extra=_held(name, self._peers))
+            self._loaded[name] = keyed
             return name
 
         try:
             return await self._call(load)
         except Exception as exc:  # nixl raises its own error types for metadata it cannot load
             raise _failed("NIXL refused the peer's metadata", exc) from exc
+
+    def _outside(self, name: bytes, regions: Sequence[Region]) -> Region | None:
+        """On the NIXL thread: the first of `regions` that no memory registered in the loaded remote
+        agent `name` holds whole, or None. NIXL's own prep refuses such descriptors too, but only at
+        write time, and only against the metadata, which the same peer hands us."""
+        by_kind: dict[str, list[Region]] = {}
+        for r in regions:
+            by_kind.setdefault(NIXL_MEMORY[MemoryKind.GPU if r.gpu else MemoryKind.HOST], []).append(r)
+        for kind, listed in by_kind.items():
+            def holds(rs: list[Region], kind: str = kind) -> bool:
+                descs = self._agent.get_xfer_descs([(r.address, r.length, r.device) for r in rs], kind)
+                return self._agent.check_remote_metadata(name, descs)
+
+            if not holds(listed):
+                return next(r for r in listed if not holds([r]))
+        return None
 
     async def disconnect(self, peer: object) -> None:
         def unload():
@@ -149,12 +179,36 @@ class NixlBackend(Backend):
         """On the NIXL thread: drop a remote agent nothing holds and nothing writes to."""
         if not self._peers.drop_if_idle(name):
             return
+        self._loaded.pop(name, None)
+        self._broken.discard(name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as exc:  # it stays loaded; nothing else refers to it
             log.warning("removing NIXL remote agent %r: %s", name, exc)
             return
         log.info("NIXL remote agent forgotten", extra=_held(name, self._peers))
+
+    def _reload_if_broken(self, name: bytes) -> None:
+        """On the NIXL thread, before a transfer is posted: a remote agent whose UCX endpoint failed
+        (NIXL_ERR_REMOTE_DISCONNECT: e.g. the receiver's copy of one engine's pages faulted) keeps
+        failing every transfer to that broker, whatever engine it is for, until it is loaded afresh.
+        Once no transfer to it is posted any longer, it is removed and loaded again from the same
+        metadata, which makes a new endpoint; a failure here leaves it broken for the next try."""
+        if name not in self._broken or self._peers.busy(name) or name not in self._loaded:
+            return
+        try:
+            self._agent.remove_remote_agent(name)
+            self._agent.add_remote_agent(self._loaded[name])
+        except Exception as exc:  # nixl raises its own error types
+            log.warning("reloading NIXL remote agent %r after its endpoint failed: %s", name, exc)
+            return
+        self._broken.discard(name)
+        log.info("NIXL remote agent reloaded after its endpoint failed", extra=_held(name, self._peers))
+
+    def _note_failure(self, name: bytes, exc: Exception) -> None:
+        """On the NIXL thread: a transfer to `name` failed; a lost endpoint is reloaded before the next."""
+        if "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or "state ERR" in str(exc):
+            self._broken.add(name)
 
     def _finish(self, peer: object, handle, counted: PeerRef | None) -> None:
         """On the NIXL thread: release a transfer; a transfer NIXL could not release keeps its agent."""
@@ -181,13 +235,19 @@ class NixlBackend(Backend):
         src_kind, dst_kind = NIXL_MEMORY[descriptors.src_memory_kind], NIXL_MEMORY[descriptors.dst_memory_kind]
 
         def post():
+            self._reload_if_broken(peer)
             local = self._agent.get_xfer_descs(src, src_kind)
             remote = self._agent.get_xfer_descs(dst, dst_kind)
-            handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
+            try:
+                handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
+            except Exception as exc:
+                self._note_failure(peer, exc)
+                raise
             counted = self._peers.begin(peer) if peer in self._peers else None
             try:
                 return handle, counted, self._agent.transfer(handle)
-            except BaseException:
+            except BaseException as exc:
+                self._note_failure(peer, exc)
                 self._finish(peer, handle, counted)
                 raise
 
@@ -201,20 +261,22 @@ class NixlBackend(Backend):
         except Exception as exc:  # nixl raises its own error types for refused descriptors
             raise _failed("NIXL refused the transfer", exc) from exc
         try:
-            state = await self._poll(handle, state, deadline)
+            state = await self._poll(peer, handle, state, deadline)
             if state == "PROC":
                 # Past its timeout the transfer may still be writing the peer's pages, which its
                 # receiver takes back once told of the failure: let it end first (bounded), and only
                 # then release, which aborts what is left.
-                state = await self._poll(handle, state, loop.time() + self._settle_s)
+                state = await self._poll(peer, handle, state, loop.time() + self._settle_s)
                 ended = "still in progress" if state == "PROC" else f"then ended {state}"
                 raise TimeoutError(f"NIXL transfer still in progress after {timeout:.3f}s ({ended})")
             if state != "DONE":
-                raise TransferFailed(f"NIXL reported transfer state {state}")
+                failed = TransferFailed(f"NIXL reported transfer state {state}")
+                await self._call(self._note_failure, peer, failed)
+                raise failed
         finally:
             await asyncio.shield(self._call(self._finish, peer, handle, counted))
 
-    async def _poll(self, handle, state: str, deadline: float) -> str:
+    async def _poll(self, peer: object, handle, state: str, deadline: float) -> str:
         """The transfer's state once it left PROC, or PROC at `deadline`."""
         loop = asyncio.get_running_loop()
         delay = POLL_FIRST_S
@@ -224,6 +286,7 @@ class NixlBackend(Backend):
             try:
                 state = await self._call(self._agent.check_xfer_state, handle)
             except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
+                await self._call(self._note_failure, peer, exc)
                 raise _failed("NIXL failed the transfer while it ran", exc) from exc
         return state
 
@@ -242,6 +305,8 @@ class NixlBackend(Backend):
                 except Exception as exc:  # the peer may be gone already
                     log.debug("removing NIXL peer %r: %s", name, exc)
             self._peers.clear()
+            self._loaded.clear()
+            self._broken.clear()
             self._agent = None
 
         if self._agent is not None:

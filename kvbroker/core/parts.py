@@ -61,6 +61,10 @@ class Coverage:
         marks = self._marks.get(kind)
         return 0 if marks is None else int(np.count_nonzero(marks))
 
+    def unfilled(self) -> int:
+        """Entries of the grant's lists not written, summed over its components: truncated_pages."""
+        return sum(length - self.covered(kind) for kind, length in self._lengths.items())
+
 
 @dataclass(frozen=True)
 class PartPages:
@@ -86,7 +90,6 @@ class PartPlan:
     descriptors: Descriptors
     pages: int  # entries written, summed over the part's components
     runs: int  # runs, summed over the part's components
-    truncated: int  # source pages dropped (or destination pages left) by the page rules
 
 
 def _overlap_refusal(kind: Component, entry: int, granted: np.ndarray) -> BrokerError:
@@ -111,7 +114,7 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
     nothing, for a part outside the grant, overlapping an earlier part, or breaking a component's
     page rule. `coverage` is left unchanged: the caller marks `landed` once it commits to the part."""
     landed, src_rows, dst_rows = [], [], []
-    total_pages = total_runs = truncated = 0
+    total_pages = total_runs = 0
     kinds_seen = set()
     for entry in pages:
         kind = entry.kind
@@ -132,14 +135,13 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
         landed.append(Landed(kind, rule.dst_offset, len(rule.dst)))
         total_pages += len(rule.dst)
         total_runs += runs.count
-        truncated += rule.truncated
     if not landed:
         raise BrokerError(Code.INVALID_ARGUMENT, "pages: a part needs at least one component")
     dense = Component.MINIMAX_DENSE_KV
     if dense in granted and dense not in kinds_seen:
         topology.check_dense_kv(granted[dense], None, 0, last=last)
     descriptors = Descriptors(np.concatenate(src_rows), np.concatenate(dst_rows), *kinds)
-    return PartPlan(tuple(landed), descriptors, total_pages, total_runs, truncated)
+    return PartPlan(tuple(landed), descriptors, total_pages, total_runs)
 
 
 @dataclass

@@ -108,7 +108,7 @@ class TransferPlan:
 
     runs: Runs
     descriptors: Descriptors
-    truncated: int  # pages dropped from the longer page list (rule truncate)
+    truncated: int  # destination entries left unfilled (rule truncate): the request's truncated_pages
 
 
 def plan_transfer(src: EngineLayout, dst: EngineLayout, components: Sequence[Component],
@@ -117,7 +117,8 @@ def plan_transfer(src: EngineLayout, dst: EngineLayout, components: Sequence[Com
     topology rules: both page lists cut to the shorter, the destination ids checked against the
     receiver's pages (it checked its grant; this guards our writes against a peer that lies about
     it), then one descriptor per run per layer buffer, the components' buffers in the order given."""
-    src_ids, dst_ids, truncated = topology.truncate_page_lists(src_page_ids, dst_page_ids)
+    src_ids, dst_ids = topology.truncate_page_lists(src_page_ids, dst_page_ids)
+    truncated = len(dst_page_ids) - len(dst_ids)
     check_page_ids(dst_ids, "dst_page_ids", registered_pages(dst, components), max_pages, unique=False)
     runs = plan_runs(src_ids, dst_ids)
     src_buffers = [b for k in components for b in src.components[k].buffers]

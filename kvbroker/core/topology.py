@@ -100,10 +100,11 @@ def check_transfer(src: EngineLayout, dst: EngineLayout, kinds: Iterable[Compone
         check_same_component_layout(src.components[kind], dst.components[kind])
 
 
-def truncate_page_lists(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """Rule truncate: page lists of unequal length are cut to the shorter; returns the dropped count."""
+def truncate_page_lists(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rule truncate: page lists of unequal length are cut to the shorter. The destination entries
+    left are the request's truncated_pages; source pages past the destination list are not counted."""
     n = min(len(src), len(dst))
-    return src[:n], dst[:n], max(len(src), len(dst)) - n
+    return src[:n], dst[:n]
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,6 @@ class PartLanding:
     src: np.ndarray
     dst: np.ndarray
     dst_offset: int
-    truncated: int  # source pages dropped (MINIMAX_INDEX_K, or past the grant's end), or destination pages left
 
 
 def check_dense_kv(granted: np.ndarray, src: np.ndarray | None, dst_offset: int, *, last: bool) -> None:
@@ -154,9 +154,9 @@ def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset
     rest = granted[dst_offset:]
     if kind is Component.MINIMAX_DENSE_KV:
         check_dense_kv(granted, src, dst_offset, last=last)
-        return PartLanding(src, rest, dst_offset, 0)
+        return PartLanding(src, rest, dst_offset)
     if kind is Component.MINIMAX_INDEX_K:
-        cut_src, cut_dst, dropped = truncate_page_lists(src, rest)
-        return PartLanding(cut_src, cut_dst, dst_offset, dropped)
+        cut_src, cut_dst = truncate_page_lists(src, rest)
+        return PartLanding(cut_src, cut_dst, dst_offset)
     n = min(len(src), len(rest))
-    return PartLanding(src[:n], rest[:n], dst_offset, len(src) - n)
+    return PartLanding(src[:n], rest[:n], dst_offset)

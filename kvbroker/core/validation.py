@@ -31,6 +31,8 @@ from kvbroker.core.model import (
     EngineLayout,
     EngineSpec,
     Layout,
+    MemoryKind,
+    Region,
     SharedMemoryRef,
     Topology,
 )
@@ -144,10 +146,15 @@ def check_page_ids(ids: np.ndarray, field_name: str, num_pages: int, max_pages: 
         i = int(over[0])
         raise invalid(f"{field_name}[{i}]: page id {int(ids[i])} is out of range [0, {num_pages})")
     if unique:
-        uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-        if uniq.size != ids.size:
-            dup = int(uniq[counts > 1][0])
-            raise invalid(f"{field_name}: page id {dup} appears more than once")
+        check_unique(ids, field_name)
+
+
+def check_unique(ids: np.ndarray, field_name: str, rule: str = "") -> None:
+    """Each page id of `ids` once (INVALID_ARGUMENT naming the first repeated id, and `rule` if given)."""
+    uniq, counts = np.unique(ids, return_counts=True)
+    if uniq.size != ids.size:
+        dup = int(uniq[counts > 1][0])
+        raise invalid(f"{field_name}: page id {dup} appears more than once" + (f" ({rule})" if rule else ""))
 
 
 def check_components(components: Sequence[Component], field_name: str, *,
@@ -235,3 +242,21 @@ def check_cuda_ref(ref: CudaIpcRef, length: int, field_name: str) -> None:
     if ref.offset + length > ref.allocation_size:
         raise invalid(f"{field_name}: offset {ref.offset} + length {length} exceeds allocation_size "
                       f"{ref.allocation_size}")
+
+
+def declared_regions(layout: EngineLayout, where: str = "handshake.engine") -> tuple[Region, ...]:
+    """The layer buffers a peer's handshake declares, as regions, once each holds its pages: a
+    buffer's num_pages pages of item_len bytes lie inside [address, address + length), which ends
+    below 2**64 (INVALID_ARGUMENT otherwise). The planner writes to the peer only at those pages, so
+    these regions bound every descriptor towards it; the backend checks them against the memory the
+    peer's engine metadata registers (Backend.connect)."""
+    regions = []
+    for kind, component in layout.components.items():
+        for b in component.buffers:
+            pages = component.num_pages * b.item_len
+            if b.address <= 0 or b.address + b.length > 1 << 64 or pages > b.length:
+                raise invalid(f"{where}: the {kind.name} layer {b.layer_id} {b.role.name} buffer at {b.address:#x} "
+                              f"of {b.length} bytes cannot hold its {component.num_pages} pages of {b.item_len} "
+                              "bytes (rule declared-buffer)")
+            regions.append(Region(b.address, b.length, b.device, gpu=b.memory_kind is MemoryKind.GPU))
+    return tuple(regions)

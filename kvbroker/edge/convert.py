@@ -164,5 +164,3 @@ def part_pages_in(values, field_name: str = "pages") -> list[tuple[Component, np
     """PartPages messages: (component, source page ids, dst_offset) in request order."""
     return [(enum_in(Component, p.component, f"{field_name}[{i}].component"), page_ids_in(p.src_page_ids),
              p.dst_offset) for i, p in enumerate(values)]
-
-

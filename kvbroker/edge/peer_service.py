@@ -79,8 +79,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
         state = self._broker.complete(
             identity, request.engine_id, request.request_id, request.claim_token, succeeded=request.succeeded,
             code=request.code, reason=request.reason, pages=request.pages, runs=request.runs,
-            truncated=request.truncated_pages,
-        )
+        )  # its bytes and truncated_pages are not read: the receiver counts its own (Receiver.complete)
         return ppb.CompleteTransferResponse(state=int(state))
 
     @translate_errors

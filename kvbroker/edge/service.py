@@ -17,8 +17,9 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
 class BrokerServicer(bpb_grpc.BrokerServiceServicer):
     def __init__(self, broker: Broker, peers: PeerClients, peer_address: str, unregister_wait_s: float,
-                 gate: PeerGate | None = None) -> None:
+                 gate: PeerGate | None = None, data_plane=None) -> None:
         self._broker = broker
+        self._data_plane = data_plane  # server.DataPlane: the data port's fence, for GetBrokerInfo
         self._peers = peers
         self._peer_address = peer_address
         self._unregister_wait_s = unregister_wait_s
@@ -94,5 +95,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
                                       opened_unix_ms=int(x.opened_at * 1000))
                       for x in info.sessions],
             peers_authenticated=self._gate.authenticated, peer_allow=list(self._gate.allow),
+            data_port_range=getattr(self._data_plane, "data_port_range", ""),
+            data_port_unprotected=getattr(self._data_plane, "unprotected", ""),
         )
 

@@ -233,9 +233,9 @@ class Broker:
         return self.receiver.claim(identity, engine_id, request_id, tuple(components), dst_page_ids)
 
     def complete(self, identity: PeerIdentity, engine_id: str, request_id: str, claim_token: str, *,
-                 succeeded: bool, code: int, reason: str, pages: int, runs: int, truncated: int) -> TransferState:
+                 succeeded: bool, code: int, reason: str, pages: int, runs: int) -> TransferState:
         return self.receiver.complete(identity, engine_id, request_id, claim_token, succeeded=succeeded, code=code,
-                                      reason=reason, pages=pages, runs=runs, truncated=truncated)
+                                      reason=reason, pages=pages, runs=runs)
 
     def take_notices(self, identity: PeerIdentity, notices: list[PartNotice]) -> list[PartAck]:
         return self.receiver.take_notices(identity, notices)

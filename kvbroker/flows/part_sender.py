@@ -209,15 +209,14 @@ class PartSender:
         if offer.ended is not None:  # withdrawn while the part was written: the receiver knows
             raise BrokerError(offer.ended.code, offer.ended.message)
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, job.part,
-                            job.part + 1 if cmd.last else 0, True, plan.landed, cmd.aux if cmd.last else b"",
-                            plan.truncated)
+                            job.part + 1 if cmd.last else 0, True, plan.landed, cmd.aux if cmd.last else b"")
         ack = await self._peers.notify(offer.receiver_address, notice)
         if ack.code:
             raise BrokerError(peer_code(ack.code), f"the receiver refused part {job.part}: {ack.reason}")
         if ack.state is TransferState.FAILED:
             raise BrokerError(Code.ABORTED, f"the receiver's grant has failed: {ack.reason}")
         self._table.progress(job.record, landed={x.kind: x.pages for x in plan.landed}, runs=plan.runs,
-                             nbytes=plan.descriptors.nbytes, truncated=plan.truncated)
+                             nbytes=plan.descriptors.nbytes)
 
     async def _finish(self, job: _Part) -> None:
         """The last part landed: once every earlier part has too, the request succeeded."""
@@ -228,7 +227,7 @@ class PartSender:
                               "earlier parts of the request did not complete in time")
         if job.record.state.terminal:
             raise ended_error(job.record, "request")
-        self._table.succeed(job.record)
+        self._table.succeed(job.record, truncated=offer.coverage.unfilled())
         self._intake.book.end(offer, precondition(f"request {offer.request_id!r} completed already; "
                                                   "no part may follow"))
 

@@ -38,6 +38,7 @@ from kvbroker.core.validation import (
     check_identifier,
     check_page_ids,
     check_peer_address,
+    check_unique,
     registered_pages,
 )
 from kvbroker.flows.registry import Registry
@@ -150,9 +151,11 @@ class Receiver:
         return grant, engine.generation
 
     def complete(self, identity: PeerIdentity, engine_id: str, request_id: str, claim_token: str, *,
-                 succeeded: bool, code: int, reason: str, pages: int, runs: int, truncated: int) -> TransferState:
+                 succeeded: bool, code: int, reason: str, pages: int, runs: int) -> TransferState:
         """The claimant's word on a claimed grant. Only the claimant, with its token, is heard; the
-        counts kept are bounded by what was claimed (its pages, this engine's item_len)."""
+        counts kept are this broker's: a one-sided write shows the receiver nothing, so the pages landed
+        are the claimant's figure cut to the pages it claimed (unique, inside the grant), bytes those
+        pages times this engine's item_len, and truncated_pages the claimed entries left unfilled."""
         record = self._table.get(engine_id, request_id)
         if record.role is not TransferRole.RECEIVER:
             raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
@@ -174,7 +177,7 @@ class Receiver:
             per_page = 0 if engine is None else sum(engine.layout.components[k].page_bytes
                                                     for k in record.components)
             self._table.succeed(record, pages=landed, runs=min(max(runs, 0), landed), nbytes=landed * per_page,
-                                truncated=min(max(truncated, 0), self._limits.max_pages_per_request))
+                                truncated=record.claimed_pages - landed)
         else:
             self._table.fail(record, peer_code(code), f"sender {identity.name!r} failed: {clip(reason)}")
         return record.state
@@ -216,11 +219,10 @@ class Receiver:
         offered.landing.land(n.part, n.parts_total, n.landed)
         complete = offered.landing.complete
         self._table.progress(record, landed=_by_component(n.landed), runs=0,
-                             nbytes=landed_bytes(engine.layout, n.landed),
-                             truncated=min(n.truncated, self._limits.max_pages_per_request), last=complete,
+                             nbytes=landed_bytes(engine.layout, n.landed), last=complete,
                              aux=bytes(n.aux) if n.parts_total else None)
         if complete:
-            self._table.succeed(record)
+            self._table.succeed(record, truncated=offered.landing.coverage.unfilled())
         return PartAck(record.state)
 
     def _segments_hold(self, record: TransferRecord, engine) -> None:
@@ -295,6 +297,7 @@ def _claimable(table: TransferTable, engine_id: str, request_id: str, components
                            "list, so only an offered grant (sender_address) can have several")
     granted = record.granted[components[0]]
     if dst_page_ids.size:
+        check_unique(dst_page_ids, "dst_page_ids", "a page of the grant is claimed at most once")
         inside = np.isin(dst_page_ids, granted)
         if not inside.all():
             bad = int(np.flatnonzero(~inside)[0])

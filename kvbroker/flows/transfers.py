@@ -263,7 +263,7 @@ class TransferTable:
             self._publish(record)
 
     def progress(self, record: TransferRecord, *, landed: dict[Component, int], runs: int, nbytes: int,
-                 truncated: int, last: bool = False, aux: builtins.bytes | None = None) -> None:
+                 last: bool = False, aux: builtins.bytes | None = None) -> None:
         """A part of a live request landed (`landed`: its pages per component): its counts join the
         record's, and watchers see them (unless it is the `last`, which the caller ends the record
         with at once). `aux`: the last part's, kept for the SUCCEEDED status."""
@@ -277,7 +277,6 @@ class TransferTable:
         record.pages += sum(landed.values())
         record.runs += runs
         record.bytes += nbytes
-        record.truncated_pages += truncated
         if last:
             return
         if record.state is TransferState.PENDING:

@@ -52,7 +52,7 @@ class Metrics:
                              ["role"], registry=r)
         self.runs = Counter("kvbroker_transferred_runs", "Runs moved by succeeded requests (per layer buffer)",
                             ["role"], registry=r)
-        self.truncated = Counter("kvbroker_truncated_pages", "Pages dropped because page lists differed in length",
+        self.truncated = Counter("kvbroker_truncated_pages", "Grant entries succeeded requests left unfilled",
                                  ["role"], registry=r)
         self.duration = Histogram("kvbroker_transfer_duration_seconds",
                                   "Time from accepting a request to its end", ["role", "outcome"],

@@ -77,6 +77,8 @@ def query(address: str, timeout_s: float = 5.0) -> dict:
         "peers_authenticated": info.peers_authenticated,
         "warnings": [] if info.peers_authenticated else [UNAUTHENTICATED_WARNING],
         "peer_allow": list(info.peer_allow),
+        "data_port_range": info.data_port_range,
+        "data_port_unprotected": info.data_port_unprotected,
         "engines": [_engine(e) for e in info.engines],
         "peers": [{"address": p.address, "broker_id": p.broker_id, "epoch": p.epoch, "handshakes": p.handshakes}
                   for p in info.peers],
@@ -107,7 +109,9 @@ def render(status: dict) -> str:
              f"health        {status['health']} at {status['address']}",
              f"peer address  {status['peer_address']}",
              f"peers         {'authenticated (mutual TLS)' if status['peers_authenticated'] else 'NOT authenticated'}"
-             f", admitting {', '.join(status['peer_allow']) or '*'}"]
+             f", admitting {', '.join(status['peer_allow']) or '*'}",
+             f"data ports    {status['data_port_range'] or 'OPEN TO ALL (data_port_range unset): fence them'}"
+             + (f"; UNPROTECTED: {status['data_port_unprotected']}" if status["data_port_unprotected"] else "")]
     if not status["peers_authenticated"]:
         lines.append(f"WARNING       {UNAUTHENTICATED_WARNING}")
     lines.append("")

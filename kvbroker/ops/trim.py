@@ -44,16 +44,48 @@ def _malloc_trim():
     return trim
 
 
+class TrimPolicy:
+    """When to trim, from the times of big requests alone: TRIM_INTERVAL_S after the last one, and
+    at least every TRIM_MAX_WAIT_S while they go on. Pure: times are seconds of any one clock."""
+
+    def __init__(self, interval_s: float = TRIM_INTERVAL_S, max_wait_s: float = TRIM_MAX_WAIT_S) -> None:
+        self._interval_s = interval_s
+        self._max_wait_s = max_wait_s
+        self._first: float | None = None  # the first big request since the last trim began; None: none waits
+        self._last = 0.0
+
+    def note(self, now: float) -> float | None:
+        """A big request at `now`: when to look first (`due`), if no look is pending yet."""
+        self._last = now
+        if self._first is not None:
+            return None
+        self._first = now
+        return now + self._interval_s
+
+    def due(self, now: float) -> float | None:
+        """At a look: None to trim now (a trim begins; the requests noted so far are its), else when to
+        look again."""
+        quiet_at = self._last + self._interval_s
+        longest_at = self._first + self._max_wait_s
+        if now < quiet_at and now < longest_at:
+            return min(quiet_at, longest_at)
+        self._first = None
+        return None
+
+    def waiting(self) -> float | None:
+        """When to look, if big requests noted since the last trim began wait for one; else None."""
+        return None if self._first is None else self._last + self._interval_s
+
+
 class MemoryTrim:
-    """Trims TRIM_INTERVAL_S after the last big request, and at least every TRIM_MAX_WAIT_S while they go on."""
+    """Trims TRIM_INTERVAL_S after the last big request, and at least every TRIM_MAX_WAIT_S while they go
+    on (TrimPolicy), on the running loop's clock and timers."""
 
     def __init__(self, interval_s: float = TRIM_INTERVAL_S, after_bytes: int = TRIM_AFTER_BYTES,
                  max_wait_s: float = TRIM_MAX_WAIT_S) -> None:
         self._trim = _malloc_trim()
-        self._interval_s = interval_s
         self._after_bytes = after_bytes
-        self._max_wait_s = max_wait_s
-        self._first = self._last = 0.0  # the first and the last big request since the last trim began
+        self._policy = TrimPolicy(interval_s, max_wait_s)
         self._scheduled: asyncio.TimerHandle | asyncio.Task | None = None
         self.trims = 0
 
@@ -62,17 +94,15 @@ class MemoryTrim:
         if nbytes < self._after_bytes:
             return
         loop = asyncio.get_running_loop()
-        self._last = loop.time()
-        if self._scheduled is None:
-            self._first = self._last
-            self._scheduled = loop.call_later(self._interval_s, self._due)
+        look_at = self._policy.note(loop.time())
+        if look_at is not None and self._scheduled is None:
+            self._scheduled = loop.call_at(look_at, self._due)
 
     def _due(self) -> None:
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        quiet_at = self._last + self._interval_s
-        if now < quiet_at and now - self._first < self._max_wait_s:
-            self._scheduled = loop.call_at(quiet_at, self._due)
+        look_at = self._policy.due(loop.time())
+        if look_at is not None:
+            self._scheduled = loop.call_at(look_at, self._due)
             return
         self._scheduled = loop.create_task(self._run())
 
@@ -89,8 +119,9 @@ class MemoryTrim:
         log.debug("memory trimmed after big requests", extra={"collected": collected,
                                                                 "collect_s": round(loop.time() - began, 4)})
         self._scheduled = None
-        if self._last >= began:  # big requests came while it ran
-            self.note(self._after_bytes)
+        look_at = self._policy.waiting()  # big requests came while it ran
+        if look_at is not None:
+            self._scheduled = loop.call_at(look_at, self._due)
 
     def close(self) -> None:
         if self._scheduled is not None:

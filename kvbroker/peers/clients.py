@@ -37,6 +37,7 @@ from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.model import Component, TransferState
 from kvbroker.core.tasks import OwnedTasks
+from kvbroker.core.validation import declared_regions
 from kvbroker.flows.transfers import Grant, TransferStatus
 from kvbroker.ops.metrics import Metrics
 from kvbroker.peers import wire
@@ -207,9 +208,10 @@ class PeerClients:
         await self._vouch.check(address, reply.broker_id, timeout, reply.backend_metadata)
         try:
             engine = wire.engine_layout_in(reply.engine)
+            regions = declared_regions(engine)  # every write to the peer lies in these (planner)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
             raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.message}") from None
-        connecting = asyncio.ensure_future(self._backend.connect(reply.backend_metadata))
+        connecting = asyncio.ensure_future(self._backend.connect(reply.backend_metadata, regions))
         try:
             handle = await asyncio.shield(connecting)  # a connect made is always given back
         except asyncio.CancelledError:

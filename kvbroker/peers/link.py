@@ -63,7 +63,6 @@ class PartNotice:
     succeeded: bool
     landed: tuple[Landed, ...] = ()
     aux: bytes = b""
-    truncated: int = 0
     code: int = 0
     reason: str = ""
 

@@ -145,7 +145,7 @@ def part_notice_out(n: PartNotice) -> ppb.PartNotice:
         engine_id=n.engine_id, request_id=n.request_id, offer_token=n.token, part=n.part,
         parts_total=n.parts_total, succeeded=n.succeeded, code=n.code, reason=clip(n.reason),
         landed=[ppb.PartLanded(component=int(x.kind), dst_offset=x.dst_offset, pages=x.pages) for x in n.landed],
-        aux=n.aux, truncated_pages=n.truncated,
+        aux=n.aux,
     )
 
 
@@ -153,7 +153,7 @@ def part_notice_in(n: ppb.PartNotice, field_name: str) -> PartNotice:
     landed = tuple(Landed(enum_in(Component, x.component, f"{field_name}.landed[{j}].component"), x.dst_offset,
                           x.pages) for j, x in enumerate(n.landed))
     return PartNotice(n.engine_id, n.request_id, n.offer_token, n.part, n.parts_total, n.succeeded, landed,
-                      n.aux, n.truncated_pages, n.code, n.reason)
+                      n.aux, n.code, n.reason)
 
 
 def part_ack_out(ack: PartAck) -> ppb.PartAck:

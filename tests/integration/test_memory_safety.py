@@ -54,8 +54,8 @@ IDS = list(range(8))
 LARGER_THAN_SMALL_SHM = dataclasses.replace(SMALL, name="larger", num_pages=SMALL.num_pages * 64)  # 15.7 MB
 
 
-async def tcp_broker(name: str, backend: str, prefix=()) -> Broker:
-    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", env=TCP, prefix=prefix)
+async def tcp_broker(name: str, backend: str, prefix=(), env=TCP) -> Broker:
+    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", env=env, prefix=prefix)
     channel = grpc.aio.insecure_channel(process.listen)
     return Broker(process, channel, bpb_grpc.BrokerServiceStub(channel))
 
@@ -65,6 +65,18 @@ async def pair(backend):
     """Brokers of this test's own (one of them may die), the decode one with a 5 MiB /dev/shm."""
     made = [await tcp_broker(f"prefill-mem-{backend}", backend),
             await tcp_broker(f"decode-mem-{backend}", backend, prefix=IN_SMALL_SHM)]
+    yield made
+    for broker in made:
+        broker.process.kill()
+        await close_broker(broker)
+
+
+@pytest.fixture
+async def default_pair():
+    """NIXL brokers on UCX's default transports (shared memory and cma on one host), the decode one
+    with a 5 MiB /dev/shm."""
+    made = [await tcp_broker("prefill-mem-ucx", "nixl", env={}),
+            await tcp_broker("decode-mem-ucx", "nixl", prefix=IN_SMALL_SHM, env={})]
     yield made
     for broker in made:
         broker.process.kill()
@@ -268,6 +280,29 @@ async def test_pages_lost_under_a_full_dev_shm_fail_their_engine_and_not_the_bro
         await assert_moves(src, other, request_id + "-other")
     finally:
         filler.unlink()
+
+
+async def test_an_endpoint_lost_to_one_engines_pages_recovers_for_the_others(default_pair, servers, request_id):
+    """On UCX's default transports a write into pages the kernel cannot back fails the whole UCX
+    endpoint to the receiving broker (NIXL_ERR_REMOTE_DISCONNECT), which failed every later transfer
+    to it, for any engine, for as long as the remote agent stayed loaded (over 60 s, up to
+    peer_idle_s). The backend loads that agent afresh before its next transfer."""
+    prefill, decode = default_pair
+    src = await servers.make(prefill, "prefill", fill="random")
+    victim = await servers.make(decode, "decode")
+    other = await servers.make(decode, "decode")
+    await assert_moves(src, other, request_id + "-before")  # the endpoint exists, and works
+    victim.segment.punch()
+    filler = fill_up(shm_of(decode))
+    try:
+        await grant(victim, request_id, IDS)
+        error = await refused(transfer(src, victim, request_id, IDS))
+        assert error.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.FAILED_PRECONDITION), error.details()
+    finally:
+        filler.unlink()
+    await assert_serving(decode)
+    for n in range(2):  # at once, and again: no retry hides a broken path
+        await assert_moves(src, other, f"{request_id}-after-{n}")
 
 
 async def test_a_hard_link_to_another_engines_segment_is_an_overlap(brokers, servers):

@@ -21,6 +21,9 @@ from kvbroker.tools.launch import BrokerProcess, start_broker  # noqa: E402
 from tests.sglang import ranks  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# Loopback has only UCX's tcp and shared memory, which a forged region writes through: allowed here
+# (tests/integration/test_data_plane.py starts brokers without it).
+os.environ.setdefault("KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS", "true")
 
 
 def broker_flags(backend: str = "nixl") -> tuple[str, ...]:

@@ -81,7 +81,7 @@ class CountingBackend(Backend):
     async def write(self, peer, descriptors, timeout: float) -> None: ...
     async def close(self) -> None: ...
 
-    async def connect(self, metadata: bytes) -> object:
+    async def connect(self, metadata: bytes, regions=()) -> object:
         self.connects[metadata.decode()] += 1
         return metadata.decode()
 

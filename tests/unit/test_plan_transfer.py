@@ -51,9 +51,11 @@ def test_the_plan_writes_one_descriptor_per_run_per_layer_buffer_in_the_componen
     assert plan.descriptors.nbytes == 4 * (ITEM[INDEX] + ITEM[MAIN])
 
 
-def test_page_lists_of_unequal_length_are_cut_to_the_shorter_and_counted():
+def test_page_lists_of_unequal_length_are_cut_to_the_shorter_and_the_entries_left_counted():
     plan = plan_transfer(engine(0), engine(1 << 31), (MAIN,), ids(0, 1, 2, 3, 4), ids(5, 6, 7), max_pages=1 << 20)
-    assert (plan.runs.pages, plan.truncated) == (3, 2)
+    assert (plan.runs.pages, plan.truncated) == (3, 0)  # source pages past the grant's list are not counted
+    plan = plan_transfer(engine(0), engine(1 << 31), (MAIN,), ids(0, 1, 2), ids(5, 6, 7, 8, 9), max_pages=1 << 20)
+    assert (plan.runs.pages, plan.truncated) == (3, 2)  # destination entries 8 and 9 left unfilled
 
 
 def test_a_destination_page_beyond_the_receivers_pages_writes_nothing():

@@ -97,10 +97,9 @@ def test_check_transfer_accepts_matching_engines():
 
 
 @pytest.mark.parametrize("n_src, n_dst", [(5, 3), (3, 5), (4, 4), (0, 2)])
-def test_truncation_cuts_to_the_shorter_and_counts(n_src, n_dst):
-    src, dst, dropped = topology.truncate_page_lists(np.arange(n_src), np.arange(10, 10 + n_dst))
+def test_truncation_cuts_to_the_shorter(n_src, n_dst):
+    src, dst = topology.truncate_page_lists(np.arange(n_src), np.arange(10, 10 + n_dst))
     assert len(src) == len(dst) == min(n_src, n_dst)
-    assert dropped == abs(n_src - n_dst)
     assert src.tolist() == list(range(min(n_src, n_dst)))
 
 
@@ -120,7 +119,7 @@ def test_dense_kv_part_needs_equal_lengths():
     assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
     assert "sender 5 from dst_offset 0, receiver 6" in error.message
     whole = topology.part_pages(DENSE, np.arange(6), granted, 0, last=True)
-    assert whole.dst.tolist() == granted.tolist() and whole.truncated == 0
+    assert whole.dst.tolist() == granted.tolist()
 
 
 def test_dense_kv_moves_with_the_last_part_only_and_from_its_first_entry():
@@ -132,19 +131,19 @@ def test_dense_kv_moves_with_the_last_part_only_and_from_its_first_entry():
     assert "rule dense-kv-length" in error.message and "from dst_offset 2" in error.message
 
 
-@pytest.mark.parametrize("n_src, offset, n_dst, dropped", [(5, 1, 3, 2), (2, 1, 2, 1), (3, 0, 3, 1)])
-def test_index_k_part_is_truncated_to_the_shorter(n_src, offset, n_dst, dropped):
+@pytest.mark.parametrize("n_src, offset, n_dst", [(5, 1, 3), (2, 1, 2), (3, 0, 3)])
+def test_index_k_part_is_truncated_to_the_shorter(n_src, offset, n_dst):
     part = topology.part_pages(INDEX, np.arange(n_src), np.arange(20, 24), offset, last=False)
-    assert len(part.src) == len(part.dst) == n_dst and part.truncated == dropped
+    assert len(part.src) == len(part.dst) == n_dst
     assert part.dst.tolist() == list(range(20 + offset, 20 + offset + n_dst))
 
 
 def test_main_kv_part_lands_on_the_next_entries_and_drops_what_runs_past_the_end():
     granted = np.array([7, 3, 9, 1, 5])
     part = topology.part_pages(MAIN, np.array([40, 41]), granted, 1, last=False)
-    assert part.dst.tolist() == [3, 9] and part.truncated == 0 and part.dst_offset == 1
+    assert part.dst.tolist() == [3, 9] and part.dst_offset == 1
     tail = topology.part_pages(MAIN, np.array([40, 41, 42]), granted, 3, last=False)
-    assert tail.src.tolist() == [40, 41] and tail.dst.tolist() == [1, 5] and tail.truncated == 1
+    assert tail.src.tolist() == [40, 41] and tail.dst.tolist() == [1, 5]
 
 
 def test_a_part_past_the_end_of_the_grant_is_refused():

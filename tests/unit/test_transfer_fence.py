@@ -59,7 +59,7 @@ async def test_a_cancelled_offered_grant_stays_live_to_its_watchers_until_the_fe
     assert record.settled and not record.state.terminal and not record.done.is_set()
     assert table.get("decode-0", "r1").snapshot().state is TransferState.PENDING
     # ending: no part lands, no other end is taken
-    table.progress(record, landed={MAIN_KV: 1}, runs=1, nbytes=64, truncated=0)
+    table.progress(record, landed={MAIN_KV: 1}, runs=1, nbytes=64)
     assert record.pages == 0
     assert not table.succeed(record)
     assert not table.fail(record, Code.ABORTED, "another cause")

@@ -167,7 +167,7 @@ class GetBrokerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetBrokerInfoResponse(_message.Message):
-    __slots__ = ("broker_id", "epoch", "version", "backend", "peer_address", "engines", "peers", "request_counts", "sessions", "peers_authenticated", "peer_allow")
+    __slots__ = ("broker_id", "epoch", "version", "backend", "peer_address", "engines", "peers", "request_counts", "sessions", "peers_authenticated", "peer_allow", "data_port_range", "data_port_unprotected")
     class RequestCountsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,8 @@ class GetBrokerInfoResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PEERS_AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
     PEER_ALLOW_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_RANGE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_UNPROTECTED_FIELD_NUMBER: _ClassVar[int]
     broker_id: str
     epoch: int
     version: str
@@ -197,7 +199,9 @@ class GetBrokerInfoResponse(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     peers_authenticated: bool
     peer_allow: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., backend: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., request_counts: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., peers_authenticated: _Optional[bool] = ..., peer_allow: _Optional[_Iterable[str]] = ...) -> None: ...
+    data_port_range: str
+    data_port_unprotected: str
+    def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., version: _Optional[str] = ..., backend: _Optional[str] = ..., peer_address: _Optional[str] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., request_counts: _Optional[_Mapping[str, int]] = ..., sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., peers_authenticated: _Optional[bool] = ..., peer_allow: _Optional[_Iterable[str]] = ..., data_port_range: _Optional[str] = ..., data_port_unprotected: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "holder", "engine_ids", "opened_unix_ms")
