@@ -51,6 +51,79 @@ _agent_construction = threading.Lock()  # new_agent swaps a module attribute of 
 NIXL_MEMORY = {MemoryKind.HOST: "DRAM", MemoryKind.GPU: "VRAM"}
 
 
+class RemoteAgents:
+    """The remote agents NIXL has loaded and what the NIXL thread knows of each: the connects and
+    posted transfers that hold it (PeerRefs), the metadata it was loaded from, and whether its UCX
+    endpoint failed. Used on the NIXL thread only."""
+
+    def __init__(self) -> None:
+        self.agent = None  # the local nixl_agent, once started
+        self.peers = PeerRefs()  # remote agents loaded, uses = transfers posted
+        self.loaded: dict[bytes, bytes] = {}  # remote agent -> the metadata it was loaded from
+        self.broken: set[bytes] = set()  # remote agents whose endpoint failed (REMOTE_DISCONNECT)
+
+    def outside(self, name: bytes, regions: Sequence[Region]) -> Region | None:
+        """On the NIXL thread: the first of `regions` that no memory registered in the loaded remote
+        agent `name` holds whole, or None. NIXL's own prep refuses such descriptors too, but only at
+        write time, and only against the metadata, which the same peer hands us."""
+        by_kind: dict[str, list[Region]] = {}
+        for r in regions:
+            by_kind.setdefault(NIXL_MEMORY[MemoryKind.GPU if r.gpu else MemoryKind.HOST], []).append(r)
+        for kind, listed in by_kind.items():
+            def holds(rs: list[Region], kind: str = kind) -> bool:
+                descs = self.agent.get_xfer_descs([(r.address, r.length, r.device) for r in rs], kind)
+                return self.agent.check_remote_metadata(name, descs)
+
+            if not holds(listed):
+                return next(r for r in listed if not holds([r]))
+        return None
+
+    def remove_if_idle(self, name: bytes) -> None:
+        """On the NIXL thread: drop a remote agent nothing holds and nothing writes to."""
+        if not self.peers.drop_if_idle(name):
+            return
+        self.loaded.pop(name, None)
+        self.broken.discard(name)
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # it stays loaded; nothing else refers to it
+            log.warning("removing NIXL remote agent %r: %s", name, exc)
+            return
+        log.info("NIXL remote agent forgotten", extra=_held(name, self.peers))
+
+    def reload_if_broken(self, name: bytes) -> None:
+        """On the NIXL thread, before a transfer is posted: a remote agent whose UCX endpoint failed
+        (NIXL_ERR_REMOTE_DISCONNECT: e.g. the receiver's copy of one engine's pages faulted) keeps
+        failing every transfer to that broker, whatever engine it is for, until it is loaded afresh.
+        Once no transfer to it is posted any longer, it is removed and loaded again from the same
+        metadata, which makes a new endpoint; a failure here leaves it broken for the next try."""
+        if name not in self.broken or self.peers.busy(name) or name not in self.loaded:
+            return
+        try:
+            self.agent.remove_remote_agent(name)
+            self.agent.add_remote_agent(self.loaded[name])
+        except Exception as exc:  # nixl raises its own error types
+            log.warning("reloading NIXL remote agent %r after its endpoint failed: %s", name, exc)
+            return
+        self.broken.discard(name)
+        log.info("NIXL remote agent reloaded after its endpoint failed", extra=_held(name, self.peers))
+
+    def note_failure(self, name: bytes, exc: Exception) -> None:
+        """On the NIXL thread: a transfer to `name` failed; a lost endpoint is reloaded before the next."""
+        if "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or "state ERR" in str(exc):
+            self.broken.add(name)
+
+    def clear(self) -> None:
+        for name in self.peers:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception as exc:  # the peer may be gone already
+                log.debug("removing NIXL peer %r: %s", name, exc)
+        self.peers.clear()
+        self.loaded.clear()
+        self.broken.clear()
+
+
 class NixlBackend(Backend):
     name = "nixl"
 
@@ -61,9 +134,8 @@ class NixlBackend(Backend):
         self._agent = None
         self._settle_s = options.transfer_timeout_s  # how long a write past its timeout may still finish
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self._peers = PeerRefs()  # remote agents loaded, uses = transfers posted; on the NIXL thread only
-        self._loaded: dict[bytes, bytes] = {}  # remote agent -> the metadata it was loaded from; NIXL thread
-        self._broken: set[bytes] = set()  # remote agents whose endpoint failed (REMOTE_DISCONNECT); NIXL thread
+        self._remotes = RemoteAgents()  # on the NIXL thread only
+        self._peers = self._remotes.peers
         self._writing = PeerRefs()  # write() calls running per remote agent; on the event loop only
 
     async def _call(self, fn, *args):
@@ -82,6 +154,7 @@ class NixlBackend(Backend):
                 return new_agent(nixl_agent, nixl_agent_config, self._agent_name), applied
 
         self._agent, applied = await self._call(create)
+        self._remotes.agent = self._agent
         if self._environment:
             log.info("NIXL agent's UCX listeners confined", extra={
                 "applied": applied, "operator_set": sorted(set(self._environment) - set(applied))})
@@ -129,7 +202,7 @@ class NixlBackend(Backend):
         def load():
             # Loading the same metadata again (another engine of the same peer broker) is a no-op for NIXL.
             name = self._agent.add_remote_agent(keyed)
-            outside = self._outside(name, regions)
+            outside = self._remotes.outside(name, regions)
             if outside is not None:
                 if name not in self._peers:  # loaded for this handshake only: nothing else refers to it
                     try:
@@ -142,7 +215,7 @@ class NixlBackend(Backend):
                     f"({'GPU ' + str(outside.device) if outside.gpu else 'host'} memory)")
             if self._peers.connect(name):
                 log.info("NIXL remote agent connected", extra=_held(name, self._peers))
-            self._loaded[name] = keyed
+            self._remotes.loaded[name] = keyed
             return name
 
         try:
@@ -150,71 +223,20 @@ class NixlBackend(Backend):
         except Exception as exc:  # nixl raises its own error types for metadata it cannot load
             raise _failed("NIXL refused the peer's metadata", exc) from exc
 
-    def _outside(self, name: bytes, regions: Sequence[Region]) -> Region | None:
-        """On the NIXL thread: the first of `regions` that no memory registered in the loaded remote
-        agent `name` holds whole, or None. NIXL's own prep refuses such descriptors too, but only at
-        write time, and only against the metadata, which the same peer hands us."""
-        by_kind: dict[str, list[Region]] = {}
-        for r in regions:
-            by_kind.setdefault(NIXL_MEMORY[MemoryKind.GPU if r.gpu else MemoryKind.HOST], []).append(r)
-        for kind, listed in by_kind.items():
-            def holds(rs: list[Region], kind: str = kind) -> bool:
-                descs = self._agent.get_xfer_descs([(r.address, r.length, r.device) for r in rs], kind)
-                return self._agent.check_remote_metadata(name, descs)
-
-            if not holds(listed):
-                return next(r for r in listed if not holds([r]))
-        return None
-
     async def disconnect(self, peer: object) -> None:
         def unload():
             if not self._peers.disconnect(peer):
                 log.warning("NIXL disconnect of remote agent %r without a connect", peer)
                 return
-            self._remove_if_idle(peer)
+            self._remotes.remove_if_idle(peer)
 
         await self._call(unload)
-
-    def _remove_if_idle(self, name: bytes) -> None:
-        """On the NIXL thread: drop a remote agent nothing holds and nothing writes to."""
-        if not self._peers.drop_if_idle(name):
-            return
-        self._loaded.pop(name, None)
-        self._broken.discard(name)
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception as exc:  # it stays loaded; nothing else refers to it
-            log.warning("removing NIXL remote agent %r: %s", name, exc)
-            return
-        log.info("NIXL remote agent forgotten", extra=_held(name, self._peers))
-
-    def _reload_if_broken(self, name: bytes) -> None:
-        """On the NIXL thread, before a transfer is posted: a remote agent whose UCX endpoint failed
-        (NIXL_ERR_REMOTE_DISCONNECT: e.g. the receiver's copy of one engine's pages faulted) keeps
-        failing every transfer to that broker, whatever engine it is for, until it is loaded afresh.
-        Once no transfer to it is posted any longer, it is removed and loaded again from the same
-        metadata, which makes a new endpoint; a failure here leaves it broken for the next try."""
-        if name not in self._broken or self._peers.busy(name) or name not in self._loaded:
-            return
-        try:
-            self._agent.remove_remote_agent(name)
-            self._agent.add_remote_agent(self._loaded[name])
-        except Exception as exc:  # nixl raises its own error types
-            log.warning("reloading NIXL remote agent %r after its endpoint failed: %s", name, exc)
-            return
-        self._broken.discard(name)
-        log.info("NIXL remote agent reloaded after its endpoint failed", extra=_held(name, self._peers))
-
-    def _note_failure(self, name: bytes, exc: Exception) -> None:
-        """On the NIXL thread: a transfer to `name` failed; a lost endpoint is reloaded before the next."""
-        if "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or "state ERR" in str(exc):
-            self._broken.add(name)
 
     def _finish(self, peer: object, handle, counted: PeerRef | None) -> None:
         """On the NIXL thread: release a transfer; a transfer NIXL could not release keeps its agent."""
         if _release(self._agent, handle) and counted is not None:
             self._peers.end(counted)
-            self._remove_if_idle(peer)
+            self._remotes.remove_if_idle(peer)
 
     def writing(self, peer: object) -> bool:
         return self._writing.busy(peer)
@@ -235,19 +257,19 @@ class NixlBackend(Backend):
         src_kind, dst_kind = NIXL_MEMORY[descriptors.src_memory_kind], NIXL_MEMORY[descriptors.dst_memory_kind]
 
         def post():
-            self._reload_if_broken(peer)
+            self._remotes.reload_if_broken(peer)
             local = self._agent.get_xfer_descs(src, src_kind)
             remote = self._agent.get_xfer_descs(dst, dst_kind)
             try:
                 handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
             except Exception as exc:
-                self._note_failure(peer, exc)
+                self._remotes.note_failure(peer, exc)
                 raise
             counted = self._peers.begin(peer) if peer in self._peers else None
             try:
                 return handle, counted, self._agent.transfer(handle)
             except BaseException as exc:
-                self._note_failure(peer, exc)
+                self._remotes.note_failure(peer, exc)
                 self._finish(peer, handle, counted)
                 raise
 
@@ -271,7 +293,7 @@ class NixlBackend(Backend):
                 raise TimeoutError(f"NIXL transfer still in progress after {timeout:.3f}s ({ended})")
             if state != "DONE":
                 failed = TransferFailed(f"NIXL reported transfer state {state}")
-                await self._call(self._note_failure, peer, failed)
+                await self._call(self._remotes.note_failure, peer, failed)
                 raise failed
         finally:
             await asyncio.shield(self._call(self._finish, peer, handle, counted))
@@ -286,7 +308,7 @@ class NixlBackend(Backend):
             try:
                 state = await self._call(self._agent.check_xfer_state, handle)
             except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
-                await self._call(self._note_failure, peer, exc)
+                await self._call(self._remotes.note_failure, peer, exc)
                 raise _failed("NIXL failed the transfer while it ran", exc) from exc
         return state
 
@@ -299,15 +321,8 @@ class NixlBackend(Backend):
 
     async def close(self) -> None:
         def teardown():
-            for name in self._peers:
-                try:
-                    self._agent.remove_remote_agent(name)
-                except Exception as exc:  # the peer may be gone already
-                    log.debug("removing NIXL peer %r: %s", name, exc)
-            self._peers.clear()
-            self._loaded.clear()
-            self._broken.clear()
-            self._agent = None
+            self._remotes.clear()
+            self._agent = self._remotes.agent = None
 
         if self._agent is not None:
             await self._call(teardown)

@@ -93,7 +93,7 @@ class PeerClients:
         self._broker_id = broker_id
         self._epoch = epoch
         self._backend = backend
-        self._channels = PeerChannels(channel_options, credentials, rpc_timeout_s, self._track)
+        self._channels = PeerChannels(channel_options, credentials, rpc_timeout_s, self._closing.add)
         self._vouch = Vouch(broker_id, epoch, backend, self._channels)  # who answered: not us, and certified
         self._sessions: dict[tuple[str, str], PeerSession] = {}
         self._pending: dict[tuple[str, str], asyncio.Future] = {}
@@ -102,14 +102,11 @@ class PeerClients:
         self._idle = IdlePeers(idle_s, busy=self._writing_through, forget=self._forget_idle)
         self.records: dict[str, PeerRecord] = {}
 
-    def _track(self, task: asyncio.Task) -> None:
-        self._closing.add(task)
-
     def _disconnect(self, handles) -> None:
         """Give back these connects of the backend; the engine keeps a peer as long as a write to it runs."""
         for handle in handles:
             task = asyncio.get_running_loop().create_task(self._backend.disconnect(handle))
-            self._track(task)
+            self._closing.add(task)
             task.add_done_callback(self._disconnected)
 
     def _disconnected(self, task: asyncio.Task) -> None:
