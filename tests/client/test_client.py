@@ -385,6 +385,23 @@ async def test_client_registers_its_engines_again_after_a_restart_on_the_same_po
     assert [x.engine_ids for x in info.sessions] == [(dst.engine_id,)]
 
 
+async def test_engines_are_registered_again_after_a_restart_before_the_client_calls(brokers_of_test, pools):
+    """A peer's offer can reach a restarted broker before this process calls it again (a prefill
+    server idle between requests): the client registers its engines as soon as the broker is back."""
+    broker = await brokers_of_test.start()
+    async with await connect(broker.listen) as client:
+        dst = pool_engine(pools, unique("decode"), fill="canary")
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        broker = await brokers_of_test.restart(broker)
+        async with await connect(broker.listen, session=False) as observer:
+            async def registered() -> None:
+                while dst.engine_id not in (await observer.info()).engine_ids:
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(registered(), 30)
+        assert client.restarts_seen == 1
+
+
 async def test_info_notices_a_new_epoch_and_registers_again(brokers_of_test, pools):
     broker = await brokers_of_test.start()
     async with await connect(broker.listen) as client:

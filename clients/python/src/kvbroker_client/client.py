@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_TRANSFER_TIMEOUT_S = 120.0
+# How long the client waits for its broker to come back after the session broke, to register its
+# engines again at once (a peer's offer may arrive before this process calls again).
+REJOIN_WINDOW_S = 60.0
 # A sidecar on loopback or a Unix socket comes back within seconds: probe it often, not with
 # gRPC's default backoff of up to two minutes.
 CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
@@ -151,6 +154,7 @@ class BrokerClient:
         self._session_call: grpc.aio.UnaryStreamCall | None = None
         self._session_task: asyncio.Task | None = None  # reads the stream, to learn when it ends
         self._session_lock = asyncio.Lock()
+        self._rejoin: asyncio.Task | None = None  # registers the engines again once a broken session's broker answers
 
     @classmethod
     async def connect(cls, target: str, **kwargs) -> BrokerClient:
@@ -168,6 +172,10 @@ class BrokerClient:
 
     async def close(self) -> None:
         """Close the channel. With a session, the broker then unregisters this client's engines."""
+        rejoin, self._rejoin = self._rejoin, None
+        if rejoin is not None:
+            rejoin.cancel()
+            await asyncio.gather(rejoin, return_exceptions=True)
         await self._end_session()
         await self._channel.close()
 
@@ -439,9 +447,12 @@ class BrokerClient:
         and they are registered again."""
         if self._epoch is None:
             return False
+        session_before = self._session_id
         async with self._recovery:
             if since is not None and self._epoch != since:
                 return True  # another call recovered while this one waited for the lock
+            if self._session_id and self._session_id != session_before:
+                return True  # another recovery opened a new session meanwhile: `seen` predates it
             if seen is None:
                 try:
                     seen = await self._stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(),
@@ -525,6 +536,27 @@ class BrokerClient:
             self._session_id, self._session_call = "", None
             log.warning("session %s with %s ended (%s); the broker released its engines", session_id,
                         self.target, reason)
+            if self._engines and (self._rejoin is None or self._rejoin.done()):
+                self._rejoin = asyncio.get_running_loop().create_task(self._rejoin_now(),
+                                                                      name=f"kvbroker rejoin {self.target}")
+
+    async def _rejoin_now(self) -> None:
+        """The session broke under us (the broker restarted, or the stream dropped): register the engines
+        again as soon as the broker answers, within REJOIN_WINDOW_S, rather than at this process's next
+        call: a peer broker's offer for one of them may come first, and would find no engine. Calls
+        that miss an engine still recover it themselves (`_recover`); the lock makes it happen once."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + REJOIN_WINDOW_S, 0.05
+        while loop.time() < deadline:
+            try:
+                if await self._recover(deadline) or self._session_id:
+                    return  # registered again, by us or by a call
+            except BrokerError as exc:  # e.g. the old broker, still draining, refused the session
+                log.info("registering engines again on %s: %s; retrying", self.target, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        log.warning("broker %s did not take this client's engines back within %.0fs; the next call will",
+                    self.target, REJOIN_WINDOW_S)
 
     async def _end_session(self) -> None:
         call, task = self._session_call, self._session_task

@@ -518,7 +518,7 @@ class KvbrokerKVManager(CommonKVManager):
         # Shielded: a cancel must not cut the offer short (the broker may have made the grant
         # already); it waits for the call to end, then cancels what the call made.
         state.offering = asyncio.ensure_future(self.client.expect_transfer(
-            self.engine_id, str(room), pages=pages, sender_address=target["kvbroker_address"],
+            self.engine_id, str(room), pages, sender_address=target["kvbroker_address"],
             sender_engine_id=target["kvbroker_engine_id"], expiry_s=self.grant_expiry_s,
             timeout=self.settings.call_timeout_s))
         state.offering.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
