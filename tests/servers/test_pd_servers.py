@@ -100,16 +100,18 @@ async def test_decode_broker_restarted_between_requests(pd, reference, http):
 
 async def _restart_then_ask(pd, reference, http, side: str, seed: int) -> None:
     await pd.restart_broker(side)
-    prompt = client.prompts(1, 100, seed=seed)[0]
-    try:
-        answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-        assert answer.output_ids == await reference.answer(prompt), f"after the {side} broker restarted"
-    finally:
-        async def registered():  # the server's engine is back on its broker (at once, once the bug is fixed)
-            return (await stack.broker_holds(pd.brokers[side]))["engines"] == 1
 
-        await until(registered, timeout=120)
-        await settled(pd, reference, http)
+    async def registered():
+        return (await stack.broker_holds(pd.brokers[side]))["engines"] == 1
+
+    # The server's client registers its engine again as soon as its broker is back, with no call of
+    # its own: a prefill server idle between requests would otherwise be found by decode's offer
+    # with no engine (NOT_FOUND), and the next request would fail.
+    assert await until(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
+    prompt = client.prompts(1, 100, seed=seed)[0]
+    answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+    assert answer.output_ids == await reference.answer(prompt), f"after the {side} broker restarted"
+    await settled(pd, reference, http)
 
 
 async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
@@ -154,11 +156,7 @@ def _received(server: stack.ServerProcess) -> int:
                if "Receive: obj=GenerateReqInput(" in line and "HEALTH_CHECK" not in line)
 
 
-# The plugin's client registers its engine again only at its next call to the broker, and after a
-# prefill broker restart the next call is decode's offer, which that broker refuses (NOT_FOUND: no
-# engine registered) before prefill calls at all: the first request after the restart fails.
-@pytest.mark.xfail(strict=True, reason="issue 20 report: prefill's engine is registered again only lazily")
 async def test_prefill_broker_restarted_between_requests(pd, reference, http):
-    """Last of its deployment's cases: while the bug stands, the prefill engine comes back only when
-    prefill next calls its broker (at the latest when the failed request's bootstrap times out)."""
+    """Prefill's server makes no call between requests; its engine is back on the new broker before
+    decode's next offer reaches it."""
     await _restart_then_ask(pd, reference, http, "prefill", seed=71)
