@@ -395,7 +395,9 @@ async def test_engines_are_registered_again_after_a_restart_before_the_client_ca
         broker = await brokers_of_test.restart(broker)
         async with await connect(broker.listen, session=False) as observer:
             async def registered() -> None:
-                while dst.engine_id not in (await observer.info()).engine_ids:
+                for _ in range(1000):  # bounded by wait_for below
+                    if dst.engine_id in (await observer.info()).engine_ids:
+                        return
                     await asyncio.sleep(0.05)
 
             await asyncio.wait_for(registered(), 30)

@@ -469,9 +469,9 @@ class BrokerClient:
                 log.warning("broker %s restarted (epoch %d -> %d); registering %d engine(s) again",
                             self.target, self._epoch, seen.epoch, len(self._engines))
                 self.restarts_seen += 1
-            self._epoch = seen.epoch
             await self._end_session()  # whatever the client still holds of the old session
             await self._register_again(deadline, {e.engine_id for e in seen.engines})
+            self._epoch = seen.epoch  # only now: a call that sees the new epoch first waits for the lock
             return True
 
     async def _register_again(self, deadline: float, present: set[str]) -> None:
