@@ -34,9 +34,10 @@ from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.core.model import Component, TransferState
 from kvbroker.core.planner import TransferPlan, plan_transfer
 from kvbroker.core.validation import check_components, check_identifier, check_page_ids, registered_pages
+from kvbroker.flows.records import Grant, SendRecord, TransferStatus
 from kvbroker.flows.registry import Registry
 from kvbroker.flows.send_step import SendJob, failure, write
-from kvbroker.flows.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.flows.transfers import TransferTable
 from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import PeerLink, PeerSession
 
@@ -61,7 +62,7 @@ class TransferCommand:
 class _Send(SendJob):
     """One transfer on its way: what its phases read, and what its failure path needs to know."""
 
-    record: TransferRecord
+    record: SendRecord
     cmd: TransferCommand
     token: str = ""  # the claim's, once claimed
     reached_peer: bool = False
@@ -91,7 +92,7 @@ class Sender:
         if cmd.dst_page_ids.size:
             check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
                            self._limits.max_pages_per_request, unique=True)
-        record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
+        record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, receiver_address=cmd.peer_address)
         job = _Send(cmd.engine_id, engine, *SendJob.budget_for(timeout, self._limits.transfer_timeout_s),
                     record, cmd)
         task = record.run(self._send(job), f"transfer {cmd.engine_id}/{cmd.request_id}")
