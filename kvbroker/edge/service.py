@@ -37,7 +37,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         try:
             session = self._broker.open_session(request.holder)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), details(exc.message))
+            await context.abort(status_code(exc.code), details(exc.reason))
         try:
             yield bpb.OpenSessionResponse(session_id=session.session_id)
             await self._broker.stopping.wait()  # or the caller goes: the handler is cancelled
@@ -71,7 +71,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         try:
             updates = self._broker.watch(request.engine_id, request.request_id)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), details(exc.message))
+            await context.abort(status_code(exc.code), details(exc.reason))
         async with contextlib.aclosing(updates):
             async for status in updates:
                 yield bpb.WatchTransferResponse(status=convert.status_out(status))

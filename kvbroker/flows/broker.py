@@ -130,7 +130,7 @@ class Broker:
             try:
                 await self._release(engine)
             except BrokerError as exc:  # the other engines are still released
-                log.warning("engine %s: %s", engine.engine_id, exc.message)
+                log.warning("engine %s: %s", engine.engine_id, exc.reason)
         await self.backend.close()
 
     async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:

@@ -207,7 +207,7 @@ class PartSender:
     async def _notify(self, job: _Part, offer: Offer, record: SendRecord, plan: PartPlan) -> None:
         cmd = job.cmd
         if offer.ended is not None:  # withdrawn while the part was written: the receiver knows
-            raise BrokerError(offer.ended.code, offer.ended.message)
+            raise BrokerError(offer.ended.code, offer.ended.reason)
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, job.part,
                             job.part + 1 if cmd.last else 0, True, plan.landed, cmd.aux if cmd.last else b"")
         ack = await self._peers.notify(offer.receiver_address, notice)
@@ -235,7 +235,7 @@ class PartSender:
         if job.offer is None or job.record is None:
             return
         job.end_part()
-        await self._intake.fail(job.offer, job.record, error.code, error.message, self._limits.peer_rpc_timeout_s)
+        await self._intake.fail(job.offer, job.record, error.code, error.reason, self._limits.peer_rpc_timeout_s)
 
     async def close(self) -> None:
         await self._tasks.cancel(self._limits.peer_settle_s)

@@ -125,8 +125,8 @@ class Receiver:
             # The sender answered a refusal: it holds nothing to revoke. Silence (UNAVAILABLE) may hide an
             # offer that arrived, so that one is revoked when the grant fails here.
             failure = BrokerError(exc.code, f"the offer to the sender broker at {offered.sender_address} failed: "
-                                            f"{exc.message}")
-            self._table.fail(record, failure.code, failure.message, sender_stopped=exc.code is not Code.UNAVAILABLE)
+                                            f"{exc.reason}")
+            self._table.fail(record, failure.code, failure.reason, sender_stopped=exc.code is not Code.UNAVAILABLE)
         finally:
             offered.offered.set()
         if failure is None:
@@ -214,12 +214,12 @@ class Receiver:
         except BrokerError as exc:
             # The grant's own sender reported what cannot be: its writes can no longer be trusted.
             self._table.fail(record, Code.ABORTED, f"sender {identity.name!r} reported an impossible part: "
-                                                   f"{exc.message}")
-            return PartAck(record.state, int(exc.code), exc.message)
+                                                   f"{exc.reason}")
+            return PartAck(record.state, int(exc.code), exc.reason)
         try:
             self._segments_hold(record, engine)
         except BrokerError as exc:
-            return PartAck(record.state, int(exc.code), exc.message)
+            return PartAck(record.state, int(exc.code), exc.reason)
         landing.land(n.part, n.parts_total, n.landed)
         complete = landing.complete
         self._table.progress(record, landed=_by_component(n.landed), runs=0,
@@ -235,7 +235,7 @@ class Receiver:
         try:
             check_segments(engine.held, engine.engine_id)
         except BrokerError as exc:
-            self._table.fail(record, exc.code, exc.message)
+            self._table.fail(record, exc.code, exc.reason)
             raise
 
     async def fence(self, record: GrantRecord) -> str:
@@ -251,7 +251,7 @@ class Receiver:
             quiesced = await self._peers.revoke(offered.sender_address, record.engine_id, record.request_id,
                                                 offered.token, record.code, record.reason, timeout=timeout)
         except (BrokerError, TimeoutError) as exc:
-            message = exc.message if isinstance(exc, BrokerError) else f"no answer within {timeout:g}s"
+            message = exc.reason if isinstance(exc, BrokerError) else f"no answer within {timeout:g}s"
             log.warning("could not revoke grant %s at its sender %s: %s", record.request_id,
                         offered.sender_address, message)
             return f"its revocation at the sender {offered.sender_address} failed: {message}"

@@ -117,7 +117,7 @@ class Sender:
         except (Exception, asyncio.CancelledError) as exc:
             cancelled = BrokerError(Code(record.code or Code.CANCELLED), record.reason or "transfer was cancelled")
             error = failure(exc, job, "transfer", cmd.request_id, cancelled)
-            self._table.fail(record, error.code, error.message)
+            self._table.fail(record, error.code, error.reason)
         finally:
             if record.state is TransferState.FAILED and job.reached_peer:
                 await self._tell_peer_failed(job)

@@ -87,7 +87,7 @@ async def test_an_unknown_engine_is_not_found_before_any_page_list_is_converted(
     for call in (broker.transfer("nope", never, None), broker.expect_transfer("nope", never)):
         with pytest.raises(BrokerError) as info:
             await call
-        assert info.value.code is Code.NOT_FOUND and "nope" in info.value.message
+        assert info.value.code is Code.NOT_FOUND and "nope" in info.value.reason
     assert refusal(broker.claim, DECODE, "nope", "r1", never).code is Code.NOT_FOUND
     assert refusal(broker.receive_offer, DECODE, "nope", 4, never, 3).code is Code.NOT_FOUND
 
@@ -96,7 +96,7 @@ async def test_a_handshake_for_another_backend_names_the_rule(domain):
     broker, _ = domain
     with pytest.raises(BrokerError) as info:
         await broker.handshake("nixl", "e0")
-    assert info.value.code is Code.FAILED_PRECONDITION and "backend: caller uses 'nixl'" in info.value.message
+    assert info.value.code is Code.FAILED_PRECONDITION and "backend: caller uses 'nixl'" in info.value.reason
 
 
 def grant_offer(request_id="r1", token=TOKEN) -> GrantOffer:
@@ -114,7 +114,7 @@ async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_tok
         await broker.revoke_offer(DECODE, "d0", "r1", "cd" * 16, int(Code.CANCELLED), "no", 1.0)
     assert info.value.code is Code.PERMISSION_DENIED and offer.ended is None
     assert await broker.revoke_offer(DECODE, "d0", "r1", TOKEN, int(Code.CANCELLED), "changed my mind", 1.0)
-    assert offer.withdrawn and "changed my mind" in offer.ended.message
+    assert offer.withdrawn and "changed my mind" in offer.ended.reason
 
 
 async def test_the_drain_withdraws_held_offers_and_tells_each_receiver(domain):
@@ -146,9 +146,9 @@ async def test_a_job_out_of_time_fails_with_whose_deadline_it_was(caller_bound, 
     job = SendJob("e0", None, 2.0, caller_bound, 0.0)
     cancelled = BrokerError(Code.CANCELLED, "cancelled")
     error = failure(TimeoutError(), job, "transfer", "r1", cancelled)
-    assert error.code is code and "transfer did not complete within 2.000s" in error.message
+    assert error.code is code and "transfer did not complete within 2.000s" in error.reason
     assert failure(asyncio.CancelledError(), job, "transfer", "r1", cancelled) is cancelled
     refused = BrokerError(Code.PERMISSION_DENIED, "no")
     assert failure(refused, job, "transfer", "r1", cancelled) is refused
     bug = failure(KeyError("x"), job, "transfer", "r1", cancelled)
-    assert bug.code is Code.INTERNAL and "KeyError" in bug.message
+    assert bug.code is Code.INTERNAL and "KeyError" in bug.reason
