@@ -11,7 +11,8 @@ It owns the registry, the transfer table, the sessions and the backend, and hand
   the offered flow's one part the PartSender (part_sender.py); `receive_offer`, `revoke_offer`
   (PeerService), the offered flow's offers, kept by the OfferIntake (offer_intake.py). Both senders
   share the send step (send_step.py) and reach peers through the PeerLink the Broker is built with;
-- both sides: `watch`, `cancel`; `info` (GetBrokerInfo).
+- both sides: `watch`, `cancel`; `info` (GetBrokerInfo: engines, sessions, counts and the peers
+  the PeerLink knows).
 Each servicer method makes one call here. Where a request carries page lists, the call takes the
 conversion as a callable (`command`) and looks the engine up (NOT_FOUND) before it runs it, so that
 no page array is built for an engine this broker does not have.
@@ -42,7 +43,7 @@ from kvbroker.flows.registry import Engine, Registry
 from kvbroker.flows.sender import Sender, TransferCommand
 from kvbroker.flows.sessions import Session, Sessions
 from kvbroker.flows.transfers import TransferTable
-from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink
+from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink, PeerView
 
 if TYPE_CHECKING:
     from kvbroker.ops.metrics import Metrics
@@ -60,7 +61,9 @@ class BrokerInfo:
     broker_id: str
     epoch: int
     backend: str
+    peer_address: str
     engines: list[Engine]
+    peers: list[PeerView]
     request_counts: dict[str, int]
     sessions: list[Session]
 
@@ -85,6 +88,7 @@ class Broker:
         self.peer_address = peer_address  # where peers reach this broker, named in the offers it makes
         self.backend = backend
         self.limits = limits
+        self._peers = peers
         self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
         # The table also logs each request's end; its fence is the receiver's revocation of an offered grant.
         self.table = TransferTable(observer=metrics, fence=lambda record: self.receiver.fence(record))
@@ -199,8 +203,8 @@ class Broker:
         return list(self._sessions)
 
     def info(self) -> BrokerInfo:
-        return BrokerInfo(self.broker_id, self.epoch, self.backend.name, list(self.registry),
-                          dict(self.table.counts), self.sessions())
+        return BrokerInfo(self.broker_id, self.epoch, self.backend.name, self.peer_address, list(self.registry),
+                          list(self._peers.records.values()), dict(self.table.counts), self.sessions())
 
     async def expect_transfer(self, engine_id: str, command: Callable[[], GrantCommand]) -> TransferStatus:
         """A grant (offered to its sender first, if named); NOT_FOUND before `command` converts pages."""

@@ -5,6 +5,7 @@ tests' (tests/integration), with real brokers and engines."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -39,6 +40,9 @@ class FakeBackend(Backend):
     async def close(self) -> None: ...
 
 
+PEER = SimpleNamespace(address="127.0.0.1:50052", broker_id="decode-1", epoch=3, handshakes=2)
+
+
 class FakePeers:
     """A PeerLink that records what the domain asked of its peers; sessions never come."""
 
@@ -67,6 +71,8 @@ class FakePeers:
     async def notify(self, address, notice):
         self.notices.append((address, notice))
         return PartAck(TransferState.FAILED)
+
+    records = {"127.0.0.1:50052": PEER}
 
 
 @pytest.fixture
@@ -125,6 +131,13 @@ async def test_the_drain_withdraws_held_offers_and_tells_each_receiver(domain):
     assert address == "127.0.0.1:2" and notice.request_id == "r2" and not notice.succeeded
     assert notice.code == Code.UNAVAILABLE and "shut down" in notice.reason
     assert refusal(broker.receive_offer, DECODE, "", 4, lambda max_pages: grant_offer("r3"), 3).code is Code.UNAVAILABLE
+
+
+async def test_the_broker_info_names_the_peers_its_peer_link_knows(domain):
+    broker, _ = domain
+    info = broker.info()
+    assert info.peers == [PEER]
+    assert (info.broker_id, info.epoch, info.peer_address) == ("prefill-1", 7, "127.0.0.1:1")
 
 
 async def test_a_notice_for_a_grant_this_broker_does_not_hold_is_not_found(domain):
