@@ -118,7 +118,7 @@ class Broker:
         ended = self.table.live()
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.offers.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
+        await self.offers.end_all(Code.UNAVAILABLE, "broker shut down before the request completed")
         await self.receiver.revoked(ended, timeout=self.limits.peer_settle_s)
         self.stopping.set()
 
@@ -260,7 +260,7 @@ class Broker:
 
     async def revoke_offer(self, identity: PeerIdentity, engine_id: str, request_id: str, token: str, code: int,
                            reason: str, time_left: float | None) -> bool:
-        """The receiver withdraws its offer; the answer waits, bounded, until no write into it runs."""
+        """The receiver revokes its offer; the answer waits, bounded, until no write into it runs."""
         wait = self.limits.peer_rpc_timeout_s if time_left is None else max(0.0, time_left - REVOKE_ANSWER_MARGIN_S)
         return await self.offers.revoke(identity, engine_id, request_id, token, code, reason, wait)
 

@@ -5,12 +5,12 @@ Called by the Broker (the façade):
   and none taken from this broker itself; the offer checked and kept in the OfferBook; one that
   names its engine becomes that engine's PENDING record at once (the server can watch it), and the
   handshake with the receiver is made ahead, so that no part waits for it.
-- `revoke` (PeerService RevokeOffer): the receiver withdraws its offer: the offer ends, the record
+- `revoke` (PeerService RevokeOffer): the receiver revokes its offer: the offer ends, the record
   fails with the receiver's code, and the answer waits (bounded) until no write into it runs.
 - `abort`: the local server cancels (or the engine goes, or the broker drains): the request fails
   (`fail`, the one way an offered request fails here, a failed part's too), and it returns once no
   write runs.
-- `withdraw_all`, `close`: the broker stops.
+- `end_all`, `close`: the broker stops.
 The parts written into the offers are the PartSender's (part_sender.py), which takes offers from
 `book`, the record each feeds from `record_for` (the other receivers' offers of the request end
 there), and reaches the receiver through `session_for` (dialled as the offering identity).
@@ -167,18 +167,18 @@ class OfferIntake:
         if not same_token(token, offer.token):
             raise BrokerError(Code.PERMISSION_DENIED, "offer_token: does not match the offer")
         reason = clip(reason) or "no reason given"
-        offer.withdrawn = True
-        self.book.end(offer, precondition(f"the receiver withdrew grant {request_id!r}: {reason}"))
+        offer.revoked = True
+        self.book.end(offer, precondition(f"the receiver revoked grant {request_id!r}: {reason}"))
         if offer.record is not None:
             self._table.fail(offer.record, peer_code(code),
-                             f"the receiver {identity.name!r} withdrew the grant: {reason}")
-        return await self.quiet(offer, wait_s)
+                             f"the receiver {identity.name!r} revoked the grant: {reason}")
+        return await self.quiesced(offer, wait_s)
 
     @staticmethod
-    async def quiet(offer: Offer, wait_s: float) -> bool:
+    async def quiesced(offer: Offer, wait_s: float) -> bool:
         """Wait (bounded) until no part of `offer` is being written; False if some still is."""
         try:
-            await asyncio.wait_for(offer.quiet.wait(), wait_s)
+            await asyncio.wait_for(offer.quiesced.wait(), wait_s)
             return True
         except TimeoutError:
             return False
@@ -190,7 +190,7 @@ class OfferIntake:
         if not self._table.fail(record, code, reason):
             return False
         self.book.end(offer, precondition(f"request {record.request_id!r} has failed: {reason}"))
-        await self.quiet(offer, wait_s)
+        await self.quiesced(offer, wait_s)
         await self._tell_failed(offer, record.code, record.reason)
         return True
 
@@ -198,7 +198,7 @@ class OfferIntake:
         """Fail an offered request here (the local server's cancel, its engine gone, the drain)."""
         return int(await self.fail(offer, record, code, reason, wait_s))
 
-    async def withdraw_all(self, code: Code, reason: str) -> None:
+    async def end_all(self, code: Code, reason: str) -> None:
         """The broker stops: every offer it still holds ends, and each receiver is told at once rather
         than left to its grant's expiry (each told within peer_rpc_timeout_s; an offer whose request a
         Transfer had named was aborted with it already)."""
@@ -208,8 +208,8 @@ class OfferIntake:
         await asyncio.gather(*(self._tell_failed(offer, int(code), reason) for offer in offers))
 
     async def _tell_failed(self, offer: Offer, code: int, reason: str) -> None:
-        if offer.withdrawn:
-            return  # the receiver withdrew it: it knows
+        if offer.revoked:
+            return  # the receiver revoked it: it knows
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, offer.next_part, 0, False,
                             code=code, reason=reason)
         try:

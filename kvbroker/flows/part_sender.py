@@ -179,9 +179,9 @@ class PartSender:
     def _rules(self, job: _Part, offer: Offer, session: PeerSession) -> None:
         """The topology rules, and the grant's pages inside the receiver's engine (a receiver whose
         grant names pages it does not have fails the request: every later part would write them)."""
-        kinds = [kind for kind, _, _ in job.cmd.pages]
-        topology.check_transfer(job.engine.layout, session.engine, kinds)
-        check_grant_inside(session.engine, offer.granted, kinds, self._limits.max_pages_per_request)
+        components = [kind for kind, _, _ in job.cmd.pages]
+        topology.check_transfer(job.engine.layout, session.engine, components)
+        check_grant_inside(session.engine, offer.granted, components, self._limits.max_pages_per_request)
 
     def _plan(self, job: _Part, offer: Offer, session: PeerSession) -> PartPlan:
         pages = [PartPages(kind, ids, offset) for kind, ids, offset in job.cmd.pages]
@@ -206,7 +206,7 @@ class PartSender:
 
     async def _notify(self, job: _Part, offer: Offer, record: SendRecord, plan: PartPlan) -> None:
         cmd = job.cmd
-        if offer.ended is not None:  # withdrawn while the part was written: the receiver knows
+        if offer.ended is not None:  # revoked or expired while the part was written: the receiver knows
             raise BrokerError(offer.ended.code, offer.ended.reason)
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, job.part,
                             job.part + 1 if cmd.last else 0, True, plan.landed, cmd.aux if cmd.last else b"")
@@ -221,7 +221,7 @@ class PartSender:
     async def _finish(self, job: _Part, offer: Offer, record: SendRecord) -> None:
         """The last part landed: once every earlier part has too, the request succeeded."""
         job.end_part()
-        if not await self._intake.quiet(offer, job.left()):
+        if not await self._intake.quiesced(offer, job.left()):
             raise BrokerError(Code.DEADLINE_EXCEEDED if job.caller_bound else Code.UNAVAILABLE,
                               "earlier parts of the request did not complete in time")
         if record.state.terminal:

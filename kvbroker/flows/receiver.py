@@ -83,10 +83,10 @@ class Receiver:
         max_pages = self._limits.max_pages_per_request
         granted: dict[Component, np.ndarray]
         if cmd.shared:
-            kinds = check_components([kind for kind, _ in cmd.pages], "components")
+            components = check_components([kind for kind, _ in cmd.pages], "components")
             ids = cmd.pages[0][1] if cmd.pages else np.empty(0, dtype=np.int64)
-            check_page_ids(ids, "dst_page_ids", registered_pages(engine.layout, kinds), max_pages, unique=True)
-            granted = {kind: ids for kind in kinds}
+            check_page_ids(ids, "dst_page_ids", registered_pages(engine.layout, components), max_pages, unique=True)
+            granted = {kind: ids for kind in components}
         else:
             granted = check_grant_pages(engine.layout, cmd.pages, "pages", max_pages)
             if not cmd.sender_address:

@@ -215,15 +215,15 @@ class Offer:
     next_part: int = 0
     last_part: int | None = None  # the number of the part marked last, once accepted
     writing: int = 0  # parts accepted whose notice has not been answered
-    quiet: asyncio.Event = field(default_factory=asyncio.Event)  # set while writing == 0
+    quiesced: asyncio.Event = field(default_factory=asyncio.Event)  # set while writing == 0: no write runs
     ended: BrokerError | None = None  # why no more part may be sent
-    withdrawn: bool = False  # the receiver revoked it (and so needs no word of its end)
+    revoked: bool = False  # the receiver revoked it (and so needs no word of its end)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     record: SendRecord | None = None  # the sender's record once an engine holds the offer (TransferTable.feed)
 
     def __post_init__(self) -> None:
         self.coverage = Coverage({k: len(v) for k, v in self.granted.items()})
-        self.quiet.set()
+        self.quiesced.set()
 
     @property
     def components(self) -> tuple[Component, ...]:
@@ -244,13 +244,13 @@ class Offer:
         if last:
             self.last_part = part
         self.writing += 1
-        self.quiet.clear()
+        self.quiesced.clear()
         return part
 
     def end_part(self) -> None:
         self.writing -= 1
         if not self.writing:
-            self.quiet.set()
+            self.quiesced.set()
 
     @property
     def done(self) -> bool:

@@ -85,14 +85,14 @@ class Sender:
             raise invalid("peer_address: the peer broker's address is required")
         engine = self._registry.get(cmd.engine_id)
         check_segments(engine.held, cmd.engine_id)
-        kinds = check_components(cmd.components, "components")
-        num_pages = registered_pages(engine.layout, kinds)
+        components = check_components(cmd.components, "components")
+        num_pages = registered_pages(engine.layout, components)
         check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self._limits.max_pages_per_request,
                        unique=False)
         if cmd.dst_page_ids.size:
             check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
                            self._limits.max_pages_per_request, unique=True)
-        record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, receiver_address=cmd.peer_address)
+        record = self._table.add_send(cmd.engine_id, cmd.request_id, components, receiver_address=cmd.peer_address)
         job = _Send(cmd.engine_id, engine, *SendJob.budget_for(timeout, self._limits.transfer_timeout_s),
                     record, cmd)
         task = record.run(self._send(job), f"transfer {cmd.engine_id}/{cmd.request_id}")
@@ -137,16 +137,16 @@ class Sender:
     async def _rules(self, job: _Send, session: PeerSession) -> PeerSession:
         """Check every topology rule; a cached handshake that fails is refreshed once before refusing,
         since the peer engine may have re-registered since."""
-        kinds = job.record.components
+        components = job.record.components
         try:
             try:
-                topology.check_transfer(job.engine.layout, session.engine, kinds)
+                topology.check_transfer(job.engine.layout, session.engine, components)
                 return session
             except BrokerError:
                 fresh = await self._handshake(job, refresh=True)
                 if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
                     raise
-                topology.check_transfer(job.engine.layout, fresh.engine, kinds)
+                topology.check_transfer(job.engine.layout, fresh.engine, components)
                 return fresh
         except BrokerError:
             await self._claim_to_refuse(job, session)

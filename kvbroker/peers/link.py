@@ -113,7 +113,7 @@ class PeerLink(Protocol):
 
     async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,
                      timeout: float) -> bool:
-        """Withdraw an offer; whether no write into it runs on the sender any longer."""
+        """Revoke an offer; whether no write into it runs on the sender any longer (quiesced)."""
         ...
 
     async def notify(self, address: str, notice: PartNotice) -> PartAck:

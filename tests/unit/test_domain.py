@@ -109,7 +109,7 @@ def grant_offer(request_id="r1", token=TOKEN) -> GrantOffer:
     return GrantOffer("127.0.0.1:2", "d0", request_id, "", {Component.MAIN_KV: np.arange(4)}, 30.0, token, 1)
 
 
-async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_token(domain):
+async def test_an_offer_is_held_handshaken_ahead_and_revoked_only_with_its_token(domain):
     broker, peers = domain
     broker.receive_offer(DECODE, "", 4, lambda max_pages: grant_offer(), 3)
     offer = broker.offers.book.by_receiver("decode-1", "d0", "r1")
@@ -120,10 +120,10 @@ async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_tok
         await broker.revoke_offer(DECODE, "d0", "r1", "cd" * 16, int(Code.CANCELLED), "no", 1.0)
     assert info.value.code is Code.PERMISSION_DENIED and offer.ended is None
     assert await broker.revoke_offer(DECODE, "d0", "r1", TOKEN, int(Code.CANCELLED), "changed my mind", 1.0)
-    assert offer.withdrawn and "changed my mind" in offer.ended.reason
+    assert offer.revoked and "changed my mind" in offer.ended.reason
 
 
-async def test_the_drain_withdraws_held_offers_and_tells_each_receiver(domain):
+async def test_the_drain_ends_held_offers_and_tells_each_receiver(domain):
     broker, peers = domain
     broker.receive_offer(DECODE, "", 4, lambda max_pages: grant_offer("r2"), 3)
     await broker.drain(grace_s=0.1)

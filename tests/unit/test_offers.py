@@ -86,10 +86,10 @@ async def test_parts_are_numbered_and_nothing_follows_the_last():
     with pytest.raises(BrokerError) as info:
         held.begin_part(last=False)
     assert "last part (part 1)" in info.value.reason
-    assert not held.quiet.is_set()
+    assert not held.quiesced.is_set()
     held.end_part()
     held.end_part()
-    assert held.quiet.is_set() and held.done
+    assert held.quiesced.is_set() and held.done
 
 
 async def test_close_wakes_a_waiting_taker_with_unavailable():
