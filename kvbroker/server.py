@@ -285,7 +285,7 @@ class BrokerServer:
                                      s.max_layer_buffers)
         local_server = self._grpc_server(BROKER_SERVICE, local_options, Admission(local_limits, trim=self._trim))
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
-            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s, gate, data_plane), local_server)
+            BrokerServicer(broker, s.unregister_wait_s, gate, data_plane), local_server)
         if s.listen.startswith("unix:"):
             self._socket = bind_unix(local_server, Path(s.listen.removeprefix("unix:").removeprefix("//")))
             listen = s.listen

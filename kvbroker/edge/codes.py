@@ -44,7 +44,7 @@ def translate_errors(method):
         try:
             return await method(self, request, context)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), details(exc.message))
+            await context.abort(status_code(exc.code), details(exc.reason))
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:
