@@ -7,7 +7,7 @@
 - peers.clients is the gRPC client side of the peer plane: it may import grpc and the stubs, and
   converts their messages itself (peers/wire.py), never through the edge;
 - no circle of imports among kvbroker's modules, counting those made for type checking only;
-- no class over 220 lines, no module over 500 (kvbroker/tools excepted: bench scripts).
+- no class over 220 lines, no module over 500, kvbroker/tools included.
 Each rule fails naming the module and the import that breaks it.
 """
 
@@ -118,8 +118,6 @@ def test_no_circle_of_imports_among_kvbroker_modules():
 def test_no_class_or_module_past_its_size():
     too_big = []
     for name, path in modules().items():
-        if in_layer(name, "kvbroker.tools"):
-            continue
         source = path.read_text()
         lines = source.count("\n")
         if lines > MAX_MODULE_LINES:
