@@ -42,6 +42,7 @@ from tests.conftest import (
     expected_after,
     run_engines_in_child,
 )
+from tests.helpers import descriptor_rows
 from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
@@ -333,7 +334,6 @@ async def copy_into_shrunk_segments(backend: str) -> dict:
     from kvbroker.core.errors import BrokerError
     from kvbroker.core.model import Descriptors, Region
     from kvbroker.memory.mapping import map_shared_memory
-    from tests.integration.test_remote_peers import _rows
 
     os.environ.update(TCP)
     settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
@@ -345,8 +345,9 @@ async def copy_into_shrunk_segments(backend: str) -> dict:
     seen: dict = {}
 
     async def write(src: str, dst: str) -> dict:
-        rows = Descriptors(_rows(mapped[src].address, size // length, length),
-                           _rows(mapped[dst].address, size // length, length))
+        offsets = np.arange(size // length) * length
+        rows = Descriptors(descriptor_rows(mapped[src].address, offsets, length),
+                           descriptor_rows(mapped[dst].address, offsets, length))
         try:
             await sender.write(peer, rows, timeout=30)
             outcome = "written"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import urllib.request
 
 import grpc
@@ -16,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL, BrokerPair, close_broker, open_broker
+from tests.helpers import kvbroker
 from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
@@ -71,14 +70,6 @@ async def log_lines(broker, request_id: str, count: int = 1, timeout: float = 10
         if len(found) >= count or loop.time() > deadline:
             return found
         await asyncio.sleep(0.05)
-
-
-async def kvbroker(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvbroker", *args,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                env={**os.environ, **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def moved(pair: BrokerPair, engines, request_id: str):

@@ -76,6 +76,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import Engine
 from tests.integration.flows import DENSE, M3, offer
 from tests.integration.parts_model import (
+    CALL_S,
     DE,
     FAILED,
     FP,
@@ -91,9 +92,9 @@ from tests.integration.parts_model import (
     C,
     Explanation,
     GrantModel,
-    Outcome,
     Part,
     Verdict,
+    attempt,
     code_of,
     code_value,
     explanations,
@@ -111,7 +112,6 @@ MACHINE = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, derandomize
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                           HealthCheck.filter_too_much])
 
-CALL_S = 30.0  # one call, or one bounded wait for an end: far above what any takes here
 LONG_EXPIRY_MS = 300_000  # never reached within an example
 SHORT_EXPIRY_MS = (250, 400, 600)
 
@@ -143,14 +143,6 @@ class World:
     dst: Engine  # decode, canary
     numbers: itertools.count = field(default_factory=itertools.count)
     stats: Counter = field(default_factory=Counter)  # printed: how deep the examples reached
-
-
-async def attempt(src: Engine, request_id: str, part: Part) -> Outcome:
-    try:
-        reply = await src.stub.Transfer(part.request(src, request_id), timeout=CALL_S)
-    except grpc.aio.AioRpcError as exc:
-        return Outcome(exc.code(), None, exc.details() or "")
-    return Outcome(None, reply.status)
 
 
 async def current(engine: Engine, request_id: str) -> pb.TransferStatus:
