@@ -22,10 +22,10 @@ MEDIUM = shapes.ModelShape("medium", 3, 4, page_size=16, kv_heads=8, head_dim=12
                          index_bytes=1, num_pages=1024, request_pages=768)
 
 
-async def grant(dst, request_id, dst_ids, components=ALL, expiry_ms=30_000):
+async def grant(dst, request_id, dst_ids, components=ALL, expiry_ms=30_000, timeout=10):
     return await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
         request_id=request_id, engine_id=dst.engine_id, components=components,
-        dst_page_ids=list(map(int, dst_ids)), expiry_ms=expiry_ms), timeout=10)
+        dst_page_ids=list(map(int, dst_ids)), expiry_ms=expiry_ms), timeout=timeout)
 
 
 async def transfer(src, dst, request_id, src_ids, components=ALL, dst_ids=(), timeout=60):

@@ -43,6 +43,7 @@ from tests.conftest import (
     run_engines_in_child,
 )
 from tests.helpers import descriptor_rows
+from tests.helpers import rpc_refusal as refused
 from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
@@ -185,12 +186,6 @@ async def assert_moves(src: Engine, dst: Engine, request_id: str, before: np.nda
     reply = await transfer(src, dst, request_id, IDS)
     assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED, reply
     assert_bytes(dst, expected_after(src, dst, before, ALL, IDS, IDS[::-1]))
-
-
-async def refused(call) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call
-    return info.value
 
 
 async def test_a_receiver_segment_shrunk_after_registration_fails_its_engine_and_not_the_broker(
