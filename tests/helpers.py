@@ -1,6 +1,7 @@
 """Helpers the test modules share (one copy each), none of which needs a broker of the suite's own:
 
 - refusals: `refusal` (the domain's BrokerError of a sync call), `rpc_refusal` (a gRPC call's AioRpcError);
+- `peer_service`: a PeerService of the test's own, served on loopback;
 - a process seen from outside: `listeners` (its listening ports), `scrape` (a broker's /metrics
   summed per name), `kvbroker` (the CLI run in a child process);
 - `descriptor_rows`: descriptor rows (address, length, device) for a Backend's write, without the planner.
@@ -12,9 +13,11 @@ beside them), never from each other: tests/test_layers.py pins it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -22,6 +25,7 @@ import numpy as np
 import pytest
 
 from kvbroker.core.errors import BrokerError
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 
 def refusal(fn, *args, **kwargs) -> BrokerError:
@@ -36,6 +40,20 @@ async def rpc_refusal(call) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     return info.value
+
+
+@contextlib.asynccontextmanager
+async def peer_service(servicer: ppb_grpc.PeerServiceServicer) -> AsyncIterator[str]:
+    """`servicer` served on a loopback port of its own, for as long as the block runs: its address."""
+    # past gRPC's 4 MiB default: a lying peer's handshake answer may be past the broker's bound
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    ppb_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
 
 
 def listeners(pid: int, tables: tuple[str, ...]) -> set[int]:

@@ -1,20 +1,16 @@
 """What the integration tests share to stand on the peer plane beside real brokers: a PeerService of
 the test's own that answers Handshake with what the test hands it (`Answers`, served by
-`peer_service`), a real broker's own Handshake answer (`real_handshake`, to lie with), and a
-certificate of a test CA as a broker's files and a raw client's credentials (`Identity`).
+tests/helpers.py's `peer_service`), a real broker's own Handshake answer (`real_handshake`, to lie
+with), and a certificate of a test CA as a broker's files and a raw client's credentials (`Identity`).
 Not a test module: test modules import from here, never from each other."""
 
 from __future__ import annotations
-
-import contextlib
 
 import grpc
 import trustme
 
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-
-MiB = 1 << 20
 
 
 class Identity:
@@ -49,19 +45,7 @@ class Answers(ppb_grpc.PeerServiceServicer):
         return self.handshake
 
 
-@contextlib.asynccontextmanager
-async def peer_service(servicer: ppb_grpc.PeerServiceServicer):
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
-    ppb_grpc.add_PeerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
-
-
-async def real_handshake(broker, engine_id: str, backend: str) -> ppb.HandshakeResponse:
+async def real_handshake(broker, engine_id: str, backend: str, broker_id: str = "test") -> ppb.HandshakeResponse:
     async with grpc.aio.insecure_channel(broker.peer_address) as channel:
         return await ppb_grpc.PeerServiceStub(channel).Handshake(ppb.HandshakeRequest(
-            broker_id="test", engine_id=engine_id, backend=backend), timeout=10)
+            broker_id=broker_id, engine_id=engine_id, backend=backend), timeout=10)

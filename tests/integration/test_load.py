@@ -82,9 +82,7 @@ async def transfer(r: Request) -> bpb.TransferStatus:
 
 
 async def watch(r: Request) -> list[int]:
-    call = r.dst.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=r.dst.engine_id, request_id=r.request_id),
-                                    timeout=90)
-    return [update.status.state async for update in call]
+    return [status.state for status in await flows.watch_all(r.dst, r.request_id, timeout=90)]
 
 
 async def refused(coro, code: grpc.StatusCode) -> None:

@@ -15,7 +15,7 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL, BrokerPair, close_broker, open_broker
 from tests.helpers import kvbroker
-from tests.integration.flows import grant, transfer
+from tests.integration.flows import grant, log_entries, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -59,14 +59,7 @@ async def log_lines(broker, request_id: str, count: int = 1, timeout: float = 10
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        found = []
-        for line in list(broker.process.stderr_lines):
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # the transfer engines write their own lines on the same stream
-            if isinstance(entry, dict) and entry.get("request_id") == request_id:
-                found.append(entry)
+        found = [entry for entry in log_entries(broker) if entry.get("request_id") == request_id]
         if len(found) >= count or loop.time() > deadline:
             return found
         await asyncio.sleep(0.05)

@@ -42,7 +42,7 @@ from tests.conftest import (
     until,
 )
 from tests.helpers import descriptor_rows
-from tests.integration.flows import free_port, grant, transfer
+from tests.integration.flows import free_port, grant, log_entries, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -51,15 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def peer_events(broker) -> list[dict]:
     """The broker's log lines about the peers its transfer engine holds, oldest first."""
-    events = []
-    for line in list(broker.process.stderr_lines):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # the transfer engines write their own lines on the same stream
-        if isinstance(entry, dict) and "remote_peers" in entry:
-            events.append(entry)
-    return events
+    return [entry for entry in log_entries(broker) if "remote_peers" in entry]
 
 
 def held(events: list[dict]) -> set[str]:
