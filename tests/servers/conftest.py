@@ -59,7 +59,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 class Reference:
-    """The non-PD server and the answers it gave, by prompt."""
+    """The non-PD server and the answers it gave, by prompt; `async with` it to stop the server after."""
 
     def __init__(self, server: stack.ServerProcess, http: aiohttp.ClientSession) -> None:
         self.server = server
@@ -75,14 +75,19 @@ class Reference:
             self._answers[key] = (await client.generate(self._http, self.server.url, prompt, tokens)).output_ids
         return self._answers[key]
 
+    async def __aenter__(self) -> Reference:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.ready.cancel()
+        await self.server.stop()
+
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def reference(model, log_root, http) -> AsyncIterator[Reference]:
     server = await stack.start_server("reference", model, log_root / "reference", wait=False)
-    made = Reference(server, http)
-    yield made
-    made.ready.cancel()
-    await server.stop()
+    async with Reference(server, http) as made:
+        yield made
 
 
 async def start_stack(model: Path, log_dir: Path, engine: str) -> stack.PDStack:

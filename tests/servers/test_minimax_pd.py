@@ -44,10 +44,8 @@ def minimax_model() -> Path:
 async def minimax_reference(minimax_model, log_root, http):
     server = await stack.start_server("reference", minimax_model, log_root / "minimax-reference",
                                       args=minimax.SERVER_ARGS, env=MINIMAX_ENV, wait=False)
-    made = Reference(server, http)
-    yield made
-    made.ready.cancel()
-    await server.stop()
+    async with Reference(server, http) as made:
+        yield made
 
 
 @pytest.fixture(scope="module")
