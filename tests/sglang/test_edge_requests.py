@@ -128,11 +128,12 @@ async def test_either_sides_abort_of_an_aux_only_request_fails_the_other_at_once
     assert "abort" in (await asyncio.to_thread(decode_aborts)).failure_reason.lower()
 
 
+@pytest.mark.parametrize("cleared", [True, False], ids=["sender-cleared", "sender-not-yet-cleared"])
 async def test_a_prefill_abort_before_decodes_offer_came_fails_decode_when_the_offer_comes(sglang_ranks,
-                                                                                           engine_brokers):
+                                                                                           engine_brokers, cleared):
     """The order: SGLang makes the prefill sender, prefill aborts it (its cancel finds no record on the
-    prefill broker: decode has offered nothing yet) and clears it; only then does decode's offer reach
-    the prefill broker and its metadata frame the prefill rank."""
+    prefill broker: decode has offered nothing yet), and clears it or not yet; only then does decode's
+    offer reach the prefill broker and its metadata frame the prefill rank."""
     prefill_broker, decode_broker = engine_brokers
     pair = await make_pair(sglang_ranks, prefill_broker.listen, decode_broker.listen)
     request = new_request(61)
@@ -145,11 +146,14 @@ async def test_a_prefill_abort_before_decodes_offer_came_fails_decode_when_the_o
         cancel = pair.prefill.room(request.room).cancel
         assert cancel is not None
         cancel.result(timeout=PROMPT_FAILURE_S)  # answered: the broker had nothing to cancel then
-        sender.side.clear()
+        if cleared:
+            sender.side.clear()
         receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, request.room))
         send_decode_metadata(pair, request, receiver)
         assert receiver.until(*_polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == _polls("Failed")[0], \
             f"decode never learned that prefill had ended the request (saw {receiver.seen})"
+        if not cleared:
+            sender.side.clear()
         return failure(receiver), receiver
 
     error, receiver = await asyncio.to_thread(run)
