@@ -20,16 +20,16 @@ import torch
 from kvbroker_client import BrokerClient, NotFound
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
 from tests.sglang import ranks
-from tests.sglang.test_end_to_end import (
+from tests.sglang.pair import (
     DECODE_AUX,
     PREFILL_AUX,
     Pair,
     Watched,
-    _polls,
     _rooms,
     failure,
     make_pair,
     new_request,
+    polls,
     send_decode_metadata,
 )
 
@@ -60,10 +60,10 @@ def whole_prompt_held(pair: Pair, room: int) -> tuple[Watched, Watched]:
     receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, room))
     sender.poll(), receiver.poll()
     receiver.side.init(0)
-    receiver.until(*_polls("WaitingForInput"))
+    receiver.until(*polls("WaitingForInput"))
     # decode.py: kv_indices = req_to_token[total_prefix_len:origin_input_len], empty; no state types
     receiver.side.send_metadata(np.empty(0, dtype=np.int32), DECODE_AUX, [], decode_prefix_len=PROMPT_TOKENS)
-    assert sender.until(*_polls("WaitingForInput", "Failed")) == _polls("WaitingForInput")[0], failure(sender)
+    assert sender.until(*polls("WaitingForInput", "Failed")) == polls("WaitingForInput")[0], failure(sender)
     return sender, receiver
 
 
@@ -91,12 +91,12 @@ async def test_a_request_whose_whole_prompt_decode_holds_moves_its_aux_row_alone
         sender.side.init(0, PREFILL_AUX)  # prefill.py: kv_to_page_num(len(prompt) - prefix) = 0 pages
         fill_aux(pair, room)
         sender.side.send(np.empty(0, dtype=np.int32))  # the zero-page last chunk
-        return (sender.until(*_polls("Success", "Failed"), timeout=PROMPT_FAILURE_S),
-                receiver.until(*_polls("Success", "Failed"), timeout=PROMPT_FAILURE_S), sender, receiver)
+        return (sender.until(*polls("Success", "Failed"), timeout=PROMPT_FAILURE_S),
+                receiver.until(*polls("Success", "Failed"), timeout=PROMPT_FAILURE_S), sender, receiver)
 
     sent, received, sender, receiver = await asyncio.to_thread(run)
-    assert (sent, received) == tuple(_polls("Success", "Success")), (sender.seen, receiver.seen)
-    assert _polls("Transferring")[0] not in sender.seen + receiver.seen  # nothing writes into any page
+    assert (sent, received) == tuple(polls("Success", "Success")), (sender.seen, receiver.seen)
+    assert polls("Transferring")[0] not in sender.seen + receiver.seen  # nothing writes into any page
     for mine, theirs in zip(pair.decode_rank.metadata.get_buf(DECODE_AUX),
                             pair.prefill_rank.metadata.get_buf(PREFILL_AUX)):
         if theirs is not None:
@@ -113,15 +113,15 @@ async def test_either_sides_abort_of_an_aux_only_request_fails_the_other_at_once
     def prefill_aborts():
         sender, receiver = whole_prompt_held(pair, next(_rooms))
         sender.side.abort()
-        sender.until(*_polls("Failed"))
-        assert receiver.until(*_polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == _polls("Failed")[0]
+        sender.until(*polls("Failed"))
+        assert receiver.until(*polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == polls("Failed")[0]
         return failure(receiver)
 
     def decode_aborts():
         sender, receiver = whole_prompt_held(pair, next(_rooms))
         receiver.side.abort()
-        receiver.until(*_polls("Failed"))
-        assert sender.until(*_polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == _polls("Failed")[0]
+        receiver.until(*polls("Failed"))
+        assert sender.until(*polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == polls("Failed")[0]
         return failure(sender)
 
     assert "abort" in (await asyncio.to_thread(prefill_aborts)).failure_reason.lower()
@@ -142,7 +142,7 @@ async def test_a_prefill_abort_before_decodes_offer_came_fails_decode_when_the_o
         sender = Watched(KvbrokerKVSender(pair.prefill, pair.bootstrap, request.room))
         sender.poll()
         sender.side.abort()  # e.g. the client went away while the request waited in prefill's queue
-        sender.until(*_polls("Failed"))
+        sender.until(*polls("Failed"))
         cancel = pair.prefill.room(request.room).cancel
         assert cancel is not None
         cancel.result(timeout=PROMPT_FAILURE_S)  # answered: the broker had nothing to cancel then
@@ -150,7 +150,7 @@ async def test_a_prefill_abort_before_decodes_offer_came_fails_decode_when_the_o
             sender.side.clear()
         receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, request.room))
         send_decode_metadata(pair, request, receiver)
-        assert receiver.until(*_polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == _polls("Failed")[0], \
+        assert receiver.until(*polls("Failed", "Success"), timeout=PROMPT_FAILURE_S) == polls("Failed")[0], \
             f"decode never learned that prefill had ended the request (saw {receiver.seen})"
         if not cleared:
             sender.side.clear()
