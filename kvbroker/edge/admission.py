@@ -44,6 +44,7 @@ LAYER_BUFFER_BYTES = 512  # the most one LayerBuffer message takes: ids, lengths
 PAGE_LISTS = {
     "/kvbroker.v1.BrokerService/ExpectTransfer": 5,  # dst_page_ids, or one list per component
     "/kvbroker.v1.BrokerService/Transfer": 6,  # src_page_ids and dst_page_ids, or one source list per component
+    "/kvbroker.v1.BrokerService/Exchange": 6,  # each message: one Transfer or one ExpectTransfer
     "/kvbroker.v1.PeerService/ClaimGrant": 1,
     "/kvbroker.v1.PeerService/OfferGrant": 4,
 }
