@@ -7,6 +7,8 @@ server's at shutdown. One `_Stream` per stream:
 - `_command` makes the very Broker call the command's unary RPC makes (Transfer, ExpectTransfer,
   WatchTransfer), converted by edge/convert.py the same way, its failure the reply's code and
   message as edge/codes.py maps it for the unary RPC: no rule is checked here;
+- a message admission.py refused (too large, too many page ids) arrives as its Refusal, answered
+  under its command_id as the unary RPC would be refused;
 - replies go through one queue to the one writer, since gRPC takes one write at a time;
 - the requests an ExpectTransfer or a Transfer on it created or fed are *carried*: when the stream
   ends (the client went, broke or half-closed, or the broker stopped), `_end` lets its expects and
@@ -26,7 +28,8 @@ from collections.abc import AsyncIterator
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.tasks import OwnedTasks
 from kvbroker.edge import convert
-from kvbroker.edge.codes import failure
+from kvbroker.edge.admission import Refusal
+from kvbroker.edge.codes import details, failure
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.transfers import TransferStatus
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -80,8 +83,13 @@ class _Stream:
             stopping.cancel()
             self._ends.spawn(self._end(), "exchange end")
 
-    async def _read(self, requests: AsyncIterator[bpb.ExchangeRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[bpb.ExchangeRequest | Refusal]) -> None:
         async for request in requests:
+            if isinstance(request, Refusal):  # admission.py refused it, as it refuses the unary RPC
+                assert request.command_id is not None
+                self._out.put_nowait(bpb.ExchangeResponse(command_id=request.command_id, error=bpb.ExchangeError(
+                    code=request.code.value[0], message=details(request.message))))
+                continue
             command_id = request.command_id
             if command_id in self._in_flight:
                 self._refuse(command_id, BrokerError(Code.INVALID_ARGUMENT, f"command_id: {command_id} is in "

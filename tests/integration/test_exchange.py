@@ -150,8 +150,9 @@ async def test_a_stream_that_ends_fails_exactly_the_requests_it_carried(brokers,
                                                       (MAIN, [9, 10], [21, 22])]))
 
 
-async def test_commands_past_max_exchange_commands_are_refused_each_on_its_own(backend, engines, request_id):
-    bounded = await open_broker(f"exchange-bound-{backend}", backend, "--max-exchange-commands", "2")
+async def test_commands_past_a_bound_are_refused_each_on_its_own(backend, engines, request_id):
+    bounded = await open_broker(f"exchange-bound-{backend}", backend, "--max-exchange-commands", "2",
+                                "--max-pages-per-request", str(SMALL.num_pages))
     exchange = stream(bounded)
     try:
         dst = await engines.make(bounded, "decode", components=M3, fill="canary")
@@ -166,6 +167,13 @@ async def test_commands_past_max_exchange_commands_are_refused_each_on_its_own(b
         with pytest.raises(ResourceExhausted) as refused:
             await exchange.ping(10)
         assert "max_exchange_commands=2" in refused.value.reason
+        too_many = bpb.ExpectTransferRequest(request_id=f"{request_id}-x", engine_id=dst.engine_id, components=[MAIN],
+                                             dst_page_ids=list(range(SMALL.num_pages + 1)))
+        with pytest.raises(ResourceExhausted) as admitted:  # refused before it is read, and before the bound
+            await exchange.command("expect", too_many, 10)
+        expected = await refusal(bounded.stub.ExpectTransfer(too_many, timeout=10))
+        assert (admitted.value.reason, expected.code()) == (expected.details(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "max_pages_per_request" in admitted.value.reason
         await bounded.stub.CancelTransfer(bpb.CancelTransferRequest(engine_id=dst.engine_id,
                                                                     request_id=f"{request_id}-0"), timeout=30)
         assert (await anext(watches[0])).state == pb.TRANSFER_STATE_FAILED

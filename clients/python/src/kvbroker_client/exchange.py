@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from kvbroker_client.errors import DeadlineExceeded, Unavailable, error_for_code, from_rpc_error
+from kvbroker_client.errors import DeadlineExceeded, error_for_code, from_rpc_error
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
@@ -34,8 +34,9 @@ _TERMINAL = (pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED)
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class StreamBroken(Unavailable):
-    """The Exchange stream ended while the command was in flight: its outcome is unknown."""
+class StreamBroken(Exception):
+    """The Exchange stream ended while the command was in flight: its outcome is unknown. BrokerClient
+    raises it as Unavailable."""
 
 
 class ExchangeUnsupported(Exception):

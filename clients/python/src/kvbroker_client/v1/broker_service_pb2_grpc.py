@@ -155,8 +155,10 @@ class BrokerServiceServicer:
         concurrently, at most the broker's max_exchange_commands at once per stream (more are refused
         RESOURCE_EXHAUSTED, each on its own). When the stream ends, for any reason, every request an
         ExpectTransfer or a Transfer on it created or fed and that has not ended fails CANCELLED, as
-        CancelTransfer fails it (its peer is told). A request too large for its unary RPC ends the
-        stream with that RPC's status. A broker without this RPC answers UNIMPLEMENTED: use the unary ones.
+        CancelTransfer fails it (its peer is told). A message refused before it is read (too large,
+        too many page ids, not parsable) is answered with its refusal under its command_id, which must
+        lead the message (protobuf writes field 1 first); one whose command_id cannot be read ends the
+        stream with that status. A broker without this RPC answers UNIMPLEMENTED: use the unary ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
