@@ -37,6 +37,7 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 log = logging.getLogger(__name__)
 
 MAX_PING_BYTES = 64
+CLOSE_WAIT_S = 2.0
 END_REASON = "the Exchange stream that carried the request ended before the request did"
 
 
@@ -53,7 +54,8 @@ class Exchanges:
         return _Stream(self._broker, self._max_commands, self._settle_s, self._ends).run(requests)
 
     async def close(self) -> None:
-        await self._ends.wait(self._settle_s)
+        """At shutdown, after the drain: the ends still running find their requests ended already."""
+        await self._ends.wait(CLOSE_WAIT_S)
         await self._ends.cancel(self._settle_s)
 
 
