@@ -9,7 +9,7 @@ server's at shutdown. One `_Stream` per stream:
   message as edge/codes.py maps it for the unary RPC: no rule is checked here;
 - a message admission.py refused (too large, too many page ids) arrives as its Refusal, answered
   under its command_id as the unary RPC would be refused;
-- replies go through one queue to the one writer, since gRPC takes one write at a time;
+- each command writes its own replies, one write at a time (gRPC takes no more);
 - the requests an ExpectTransfer or a Transfer on it created or fed are *carried*: when the stream
   ends (the client went, broke or half-closed, or the broker stopped), `_end` lets its expects and
   transfers finish (each has its own bound), stops its watches, and fails every carried request
@@ -50,8 +50,9 @@ class Exchanges:
         self._settle_s = settle_s  # how long a stream's end waits for its expects and transfers
         self._ends = OwnedTasks()  # a stream's end outlives its handler, which gRPC cancels
 
-    def serve(self, requests: AsyncIterator[bpb.ExchangeRequest]) -> AsyncIterator[bpb.ExchangeResponse]:
-        return _Stream(self._broker, self._max_commands, self._settle_s, self._ends).run(requests)
+    async def serve(self, requests: AsyncIterator[bpb.ExchangeRequest], context) -> None:
+        """Run one stream until it ends; its replies written on `context` (the handler's)."""
+        await _Stream(self._broker, self._max_commands, self._settle_s, self._ends, context).run(requests)
 
     async def close(self) -> None:
         """At shutdown, after the drain: the ends still running find their requests ended already."""
@@ -60,8 +61,9 @@ class Exchanges:
 
 
 class _Stream:
-    def __init__(self, broker: Broker, max_commands: int, settle_s: float, ends: OwnedTasks) -> None:
+    def __init__(self, broker: Broker, max_commands: int, settle_s: float, ends: OwnedTasks, context) -> None:
         self._broker = broker
+        self._context = context
         self._max_commands = max_commands
         self._settle_s = settle_s
         self._ends = ends
@@ -70,16 +72,17 @@ class _Stream:
         self._watches: set[asyncio.Task] = set()
         self._carried: dict[tuple[str, str], None] = {}  # (engine_id, request_id), insertion-ordered
         self._pruned_at = 0
-        self._out: asyncio.Queue[bpb.ExchangeResponse | None] = asyncio.Queue()
+        self._writing = asyncio.Lock()  # grpc takes one write at a time; each command writes its own replies
+        self._over = asyncio.Event()  # every command read has ended after the client's last, or the broker stops
         self._read_all = False
 
-    async def run(self, requests: AsyncIterator[bpb.ExchangeRequest]) -> AsyncIterator[bpb.ExchangeResponse]:
+    async def run(self, requests: AsyncIterator[bpb.ExchangeRequest]) -> None:
         reader = asyncio.get_running_loop().create_task(self._read(requests), name="exchange reader")
         stopping = asyncio.ensure_future(self._broker.stopping.wait())
-        stopping.add_done_callback(lambda _: self._out.put_nowait(None))
+        stopping.add_done_callback(lambda _: self._over.set())
         try:
-            while (reply := await self._out.get()) is not None:
-                yield reply
+            await self._context.send_initial_metadata(())  # the client's wait_for_connection: the RPC is here
+            await self._over.wait()
         finally:
             reader.cancel()
             stopping.cancel()
@@ -89,15 +92,15 @@ class _Stream:
         async for request in requests:
             if isinstance(request, Refusal):  # admission.py refused it, as it refuses the unary RPC
                 assert request.command_id is not None
-                self._out.put_nowait(bpb.ExchangeResponse(command_id=request.command_id, error=bpb.ExchangeError(
+                await self._write(bpb.ExchangeResponse(command_id=request.command_id, error=bpb.ExchangeError(
                     code=request.code.value[0], message=details(request.message))))
                 continue
             command_id = request.command_id
             if command_id in self._in_flight:
-                self._refuse(command_id, BrokerError(Code.INVALID_ARGUMENT, f"command_id: {command_id} is in "
+                await self._refuse(command_id, BrokerError(Code.INVALID_ARGUMENT, f"command_id: {command_id} is in "
                                                      "flight on this stream already"))
             elif len(self._in_flight) >= self._max_commands:
-                self._refuse(command_id, BrokerError(
+                await self._refuse(command_id, BrokerError(
                     Code.RESOURCE_EXHAUSTED, f"command_id {command_id}: {len(self._in_flight)} commands are in "
                     f"flight on this stream, its limit (max_exchange_commands={self._max_commands})"))
             else:
@@ -108,7 +111,7 @@ class _Stream:
                     self._watches.add(task)
         self._read_all = True
         if not self._in_flight:
-            self._out.put_nowait(None)
+            self._over.set()
 
     def _done(self, command_id: int) -> None:
         """The command's slot is free (idempotent); once every command read has ended, so is the stream."""
@@ -117,18 +120,31 @@ class _Stream:
             return
         self._watches.discard(task)
         if self._read_all and not self._in_flight:
-            self._out.put_nowait(None)
+            self._over.set()
 
-    def _last(self, reply: bpb.ExchangeResponse) -> None:
-        """A command's last reply, and its slot freed in the same step: a client that saw the reply
+    async def _write(self, reply: bpb.ExchangeResponse) -> None:
+        """One reply, written by the task that has it (no hop through a writer task)."""
+        async with self._writing:
+            try:
+                await self._context.write(reply)
+            except Exception as exc:  # the stream ended under it (the client went): _end takes over
+                log.debug("exchange reply %d not written: %s", reply.command_id, exc)
+
+    async def _last(self, reply: bpb.ExchangeResponse) -> None:
+        """A command's last reply, its slot freed before it is written: a client that saw the reply
         finds the slot free."""
-        self._out.put_nowait(reply)
-        self._done(reply.command_id)
+        in_flight = self._in_flight.pop(reply.command_id, None)
+        try:
+            await self._write(reply)
+        finally:
+            if in_flight is not None:
+                self._in_flight[reply.command_id] = in_flight  # _done, at the task's end, frees it for good
+                self._done(reply.command_id)
 
-    def _refuse(self, command_id: int, exc: BaseException) -> None:
+    async def _refuse(self, command_id: int, exc: BaseException) -> None:
         code, message = failure(exc)
-        self._last(bpb.ExchangeResponse(command_id=command_id,
-                                        error=bpb.ExchangeError(code=code.value[0], message=message)))
+        await self._last(bpb.ExchangeResponse(command_id=command_id,
+                                              error=bpb.ExchangeError(code=code.value[0], message=message)))
 
     async def _command(self, request: bpb.ExchangeRequest) -> None:
         command_id, kind = request.command_id, request.WhichOneof("command")
@@ -155,9 +171,9 @@ class _Stream:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            self._refuse(command_id, exc)
+            await self._refuse(command_id, exc)
             return
-        self._last(reply)
+        await self._last(reply)
 
     async def _transfer(self, request: bpb.TransferRequest, timeout: float | None) -> TransferStatus:
         status = await self._broker.transfer(request.engine_id, lambda: convert.transfer_command_in(request),
@@ -184,9 +200,9 @@ class _Stream:
                                              watch=bpb.WatchTransferResponse(status=convert.status_out(status)))
                 if status.state.terminal:
                     self._carried.pop((status.engine_id, status.request_id), None)
-                    self._last(reply)
+                    await self._last(reply)
                 else:
-                    self._out.put_nowait(reply)
+                    await self._write(reply)
 
     def _carry(self, status: TransferStatus) -> None:
         key = (status.engine_id, status.request_id)

@@ -80,9 +80,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     async def Exchange(self, request_iterator, context):
         """The command stream: each command the Broker call of its unary RPC (edge/exchange.py)."""
-        async with contextlib.aclosing(self.exchanges.serve(request_iterator)) as replies:
-            async for reply in replies:
-                yield reply
+        await self.exchanges.serve(request_iterator, context)
 
     @translate_errors
     async def CancelTransfer(self, request, context):

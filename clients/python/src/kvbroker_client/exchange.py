@@ -63,7 +63,8 @@ class Exchange:
         future: asyncio.Future[bpb.ExchangeResponse] = asyncio.get_running_loop().create_future()
         self._pending[command_id] = future
         try:
-            await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout), **{kind: request}))
+            await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout), **{kind: request}),
+                             timeout)
             try:
                 reply = await asyncio.wait_for(future, timeout)
             except TimeoutError:
@@ -86,7 +87,7 @@ class Exchange:
         queue: asyncio.Queue[bpb.ExchangeResponse | BaseException] = asyncio.Queue()
         self._watches[command_id] = queue
         try:
-            await self._send(bpb.ExchangeRequest(command_id=command_id, watch=request))
+            await self._send(bpb.ExchangeRequest(command_id=command_id, watch=request), timeout)
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
@@ -103,10 +104,10 @@ class Exchange:
         finally:
             self._watches.pop(command_id, None)
 
-    async def _send(self, message: bpb.ExchangeRequest) -> None:
+    async def _send(self, message: bpb.ExchangeRequest, timeout: float) -> None:
         if self.supported is False:
             raise ExchangeUnsupported()
-        call = self._call or await self._open()
+        call = self._call or await self._open(timeout)
         try:
             async with self._write_lock:
                 await call.write(message)
@@ -118,10 +119,32 @@ class Exchange:
                 raise ExchangeUnsupported() from None
             raise StreamBroken(f"the Exchange stream to {self._target} ended: {exc}") from None
 
-    async def _open(self) -> grpc.aio.StreamStreamCall:
+    async def _open(self, timeout: float) -> grpc.aio.StreamStreamCall:
+        """A new stream, once the broker has answered it: its initial metadata (the RPC is served), or
+        UNIMPLEMENTED (it is not), before any command is written on it."""
         async with self._open_lock:
+            if self.supported is False:
+                raise ExchangeUnsupported()
             if self._call is None:
                 call = self._stub.Exchange()
+                try:
+                    await asyncio.wait_for(call.initial_metadata(), timeout)
+                    if call.done():  # answered with its status alone
+                        code = await call.code()
+                        if code is grpc.StatusCode.UNIMPLEMENTED:
+                            self.supported = False
+                            raise ExchangeUnsupported()
+                        raise StreamBroken(f"no Exchange stream to {self._target}: {code.name}: "
+                                           f"{await call.details()}")
+                except grpc.aio.AioRpcError as exc:
+                    raise StreamBroken(f"no Exchange stream to {self._target}: {from_rpc_error(exc)}") from None
+                except TimeoutError:
+                    call.cancel()
+                    raise DeadlineExceeded(f"no Exchange stream to {self._target} within {timeout:.3g}s") from None
+                except BaseException:
+                    call.cancel()
+                    raise
+                self.supported = True
                 self._call = call
                 self._reader = asyncio.get_running_loop().create_task(self._read(call),
                                                                       name=f"kvbroker exchange {self._target}")
@@ -132,7 +155,6 @@ class Exchange:
         """Hand every reply to its caller until the stream ends; then fail whatever is in flight."""
         try:
             while (reply := await call.read()) is not grpc.aio.EOF:
-                self.supported = True
                 if (future := self._pending.pop(reply.command_id, None)) is not None:
                     if not future.done():
                         future.set_result(reply)
