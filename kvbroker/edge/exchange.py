@@ -81,7 +81,7 @@ class _Stream:
         stopping = asyncio.ensure_future(self._broker.stopping.wait())
         stopping.add_done_callback(lambda _: self._over.set())
         try:
-            await self._context.send_initial_metadata(())  # the client's wait_for_connection: the RPC is here
+            await self._context.send_initial_metadata(())  # the client learns at once that the RPC is served
             await self._over.wait()
         finally:
             reader.cancel()
