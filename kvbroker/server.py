@@ -261,7 +261,7 @@ class BrokerServer:
         peer_limits = RequestLimits(s.peer_message_bytes, "max_peer_message_bytes", s.max_pages_per_request,
                                     s.max_layer_buffers)
         peer_reads = PeerReads(s.max_peer_reads, s.max_reads_per_peer, s.peer_rpc_timeout_s)
-        peer_admission = Admission(peer_limits, peer_reads, trim=self._trim)
+        peer_admission = Admission(peer_limits, peer_reads, trim=self._trim, counted=self.metrics.refusal("peer"))
         peer_server = self._grpc_server(PEER_SERVICE, peer_server_options(s), peer_admission)
         peer_listen = _bind(peer_server, s.peer_listen, server_credentials)  # its port goes into our offers
         peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
@@ -285,11 +285,11 @@ class BrokerServer:
                          ("grpc.max_send_message_length", s.max_message_bytes), ("grpc.so_reuseport", 0)]
         local_limits = RequestLimits(s.max_message_bytes, "max_message_bytes", s.max_pages_per_request,
                                      s.max_layer_buffers)
-        local_server = self._grpc_server(BROKER_SERVICE, local_options, Admission(local_limits, trim=self._trim))
+        local_admission = Admission(local_limits, trim=self._trim, counted=self.metrics.refusal("local"))
+        local_server = self._grpc_server(BROKER_SERVICE, local_options, local_admission)
         self._exchanges = Exchanges(broker, s.max_exchange_commands, settle_s=s.transfer_timeout_s)
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
-            BrokerServicer(broker, self._peers, peer_address, s.unregister_wait_s, gate, data_plane, self._exchanges),
-            local_server)
+            BrokerServicer(broker, s.unregister_wait_s, gate, data_plane, self._exchanges), local_server)
         if s.listen.startswith("unix:"):
             self._socket = bind_unix(local_server, Path(s.listen.removeprefix("unix:").removeprefix("//")))
             listen = s.listen

@@ -1,6 +1,6 @@
 """The domain's failures. Each carries the status code the edge reports (numbers as google.rpc.Code).
 
-`BrokerError(code, message)` is what the domain raises; `invalid`, `not_found` and `precondition`
+`BrokerError(code, reason)` is what the domain raises; `invalid`, `not_found` and `precondition`
 build the common ones; `engine_failed` is a transfer engine's failure at any call; `peer_code`
 reads a peer's code as ours; `clip` bounds a peer's or caller's reason; `code_name` names a code
 number for logs. edge/codes.py maps them onto gRPC.
@@ -35,27 +35,28 @@ def code_name(code: int) -> str:
 
 
 class BrokerError(Exception):
-    """A refusal or failure with the code the caller sees and a message naming the field or rule."""
+    """A refusal or failure with the code the caller sees and its reason, naming the field or rule
+    (`reason`: the proto's word for it, TransferStatus.reason, and the client's BrokerError.reason)."""
 
-    def __init__(self, code: Code, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, code: Code, reason: str) -> None:
+        super().__init__(reason)
         self.code = code
-        self.message = message
+        self.reason = reason
 
     def __repr__(self) -> str:
-        return f"BrokerError({self.code.name}, {self.message!r})"
+        return f"BrokerError({self.code.name}, {self.reason!r})"
 
 
-def invalid(message: str) -> BrokerError:
-    return BrokerError(Code.INVALID_ARGUMENT, message)
+def invalid(reason: str) -> BrokerError:
+    return BrokerError(Code.INVALID_ARGUMENT, reason)
 
 
-def not_found(message: str) -> BrokerError:
-    return BrokerError(Code.NOT_FOUND, message)
+def not_found(reason: str) -> BrokerError:
+    return BrokerError(Code.NOT_FOUND, reason)
 
 
-def precondition(message: str) -> BrokerError:
-    return BrokerError(Code.FAILED_PRECONDITION, message)
+def precondition(reason: str) -> BrokerError:
+    return BrokerError(Code.FAILED_PRECONDITION, reason)
 
 
 def engine_failed(backend_name: str, exc: Exception, *, context: str = "") -> BrokerError:

@@ -97,11 +97,11 @@ def _overlap_refusal(kind: Component, entry: int, granted: np.ndarray) -> Broker
                         "was written by an earlier part; parts may not overlap")
 
 
-def check_grant_inside(dst: EngineLayout, granted: Mapping[Component, np.ndarray], kinds: Iterable[Component],
+def check_grant_inside(dst: EngineLayout, granted: Mapping[Component, np.ndarray], components: Iterable[Component],
                        max_pages: int) -> None:
-    """The grant's page lists of `kinds` name only pages the receiver's engine `dst` has: it checked
-    its grant; this guards our writes against a receiver that is inconsistent or lies about it."""
-    for kind in kinds:
+    """The grant's page lists of `components` name only pages the receiver's engine `dst` has: it
+    checked its grant; this guards our writes against a receiver that is inconsistent or lies about it."""
+    for kind in components:
         if kind in granted and kind in dst.components and granted[kind].size:
             check_page_ids(granted[kind], f"granted {kind.name} pages", dst.components[kind].num_pages,
                            max(max_pages, granted[kind].size), unique=False)

@@ -88,10 +88,10 @@ def check_same_component_layout(src: ComponentLayout, dst: ComponentLayout) -> N
             )
 
 
-def check_transfer(src: EngineLayout, dst: EngineLayout, kinds: Iterable[Component]) -> None:
-    """Every rule that decides whether `kinds` may move from `src` to `dst`; the first broken one raises."""
+def check_transfer(src: EngineLayout, dst: EngineLayout, components: Iterable[Component]) -> None:
+    """Every rule that decides whether `components` may move from `src` to `dst`; the first broken one raises."""
     check_same_cache_shape(src.topology, dst.topology)
-    for kind in kinds:
+    for kind in components:
         for engine, side in ((src, "sender"), (dst, "receiver")):
             if kind not in engine.components:
                 raise precondition(f"component {kind.name} is not registered by {side} engine {engine.engine_id!r}")

@@ -182,13 +182,13 @@ def check_grant_pages(layout: EngineLayout | None, pages: Sequence[tuple[Compone
     """A grant's destination pages per component: each component once, registered by the engine
     (`layout`; None: the receiver's, not known here, so only the request bound applies), each list
     non-empty, without duplicates and inside that component's pages."""
-    kinds = check_components([kind for kind, _ in pages], field_name)
+    components = check_components([kind for kind, _ in pages], field_name)
     granted = {}
     for i, (kind, ids) in enumerate(pages):
         num_pages = np.iinfo(np.int64).max if layout is None else registered_pages(layout, [kind])
         check_page_ids(ids, f"{field_name}[{i}].page_ids ({kind.name})", num_pages, max_pages, unique=True)
         granted[kind] = ids
-    assert tuple(granted) == kinds
+    assert tuple(granted) == components
     return granted
 
 

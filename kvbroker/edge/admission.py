@@ -12,9 +12,11 @@ service there (kvbroker.v1, health, reflection):
 - its lists against their bounds (`RequestLimits.check_lists`): page ids per list, layer buffers per
   engine, entries of any other list, before conversion builds anything from them.
 A bound's refusal is RESOURCE_EXHAUSTED naming its setting. Each refusal is logged through a
-LogThrottle: one line per kind and peer host per interval. Big requests are noted to a MemoryTrim
-(trim.py), which hands what they freed back to the system. A message over the port's limit
-(max_message_bytes, max_peer_message_bytes) grpc refuses itself, unread, before any of this.
+LogThrottle (one line per kind and peer host per interval) and counted by its reason
+(kvbroker_refused_requests_total). Big requests are noted to a MemoryTrim (trim.py), which hands
+what they freed back to the system. A message over the port's limit (max_message_bytes,
+max_peer_message_bytes) grpc refuses itself, unread, before any of this; on the peer port the
+handler then reads no message, and that is counted as no_message.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Refusal:
 
     code: grpc.StatusCode
     message: str
-    kind: str  # for the log throttle: "too large", "malformed", "too many entries"
+    kind: str  # the reason, for the log throttle and the refusal counter (REFUSAL_REASONS)
     command_id: int | None = None  # a command stream's message: its command_id, when it could be read
 
 
@@ -122,7 +124,7 @@ class RequestLimits:
 
     @staticmethod
     def _too_many(message: str) -> Refusal:
-        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "too many entries")
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "too_many_entries")
 
 
 _NESTED: dict[str, frozenset[str]] = {}
@@ -205,11 +207,13 @@ class PeerReads:
 
 class Admission(grpc.aio.ServerInterceptor):
     def __init__(self, limits: RequestLimits, reads: PeerReads | None = None,
-                 throttle: LogThrottle | None = None, trim: MemoryTrim | None = None) -> None:
+                 throttle: LogThrottle | None = None, trim: MemoryTrim | None = None,
+                 counted: Callable[[str], None] | None = None) -> None:
         self.limits = limits
         self.reads = reads
         self._throttle = throttle or LogThrottle(log)
         self._trim = trim
+        self._counted = counted  # told each refusal's reason (Metrics.refusal: kvbroker_refused_requests_total)
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -245,7 +249,7 @@ class Admission(grpc.aio.ServerInterceptor):
             if len(data) > most:
                 return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request: {len(data)} bytes exceed the {most} a request of {method} may take ({why})",
-                               "too large", leading_id(data) if commands else None)
+                               "too_large", leading_id(data) if commands else None)
             if deserialize is None:
                 return data
             try:
@@ -269,6 +273,8 @@ class Admission(grpc.aio.ServerInterceptor):
 
     def _log(self, refusal: Refusal, method: str, context) -> None:
         host = peer_host(context.peer())
+        if self._counted is not None:
+            self._counted(refusal.kind)
         self._throttle.warning((refusal.kind, host), "refused a request: %s", refusal.message,
                                extra={"peer": host, "method": method})
 
@@ -344,13 +350,15 @@ class Admission(grpc.aio.ServerInterceptor):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"request: not read within {self.reads.wait_s:g}s, behind {self.reads.waiting(host)} other calls of "
                 f"{host} (max_peer_reads={self.reads.reads}, max_reads_per_peer={self.reads.per_host})",
-                "no read slot"), method, context)
+                "no_read_slot"), method, context)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"request: not received within {self.reads.wait_s:g}s (peer_rpc_timeout_s)")
         if request is grpc.aio.EOF and one:
+            # grpc core ends a call whose message is over the port's limit with its own status, and
+            # the handler reads no message: that too is counted here, as a call without one.
             await self._refuse(Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"request: {method} takes one request "
-                                       "message, none came", "malformed"), method, context)
+                                       "message, none came", "no_message"), method, context)
         if isinstance(request, Refusal):
             await self._refuse(request, method, context)
         return request

@@ -41,7 +41,7 @@ def details(message: str) -> str:
 def failure(exc: BaseException, where: str = "a command") -> tuple[grpc.StatusCode, str]:
     """BrokerError → its code and message; anything else → INTERNAL, logged."""
     if isinstance(exc, BrokerError):
-        return status_code(exc.code), details(exc.message)
+        return status_code(exc.code), details(exc.reason)
     log.error("%s failed", where, exc_info=exc)
     return grpc.StatusCode.INTERNAL, details(f"internal error: {type(exc).__name__}: {exc}")
 

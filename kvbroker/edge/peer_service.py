@@ -10,7 +10,7 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 
 - Handshake: an engine's layout and the transfer engine's metadata;
 - ClaimGrant, CompleteTransfer: the claimed flow;
-- OfferGrant, RevokeOffer: a receiver offers a grant to this broker, or withdraws it;
+- OfferGrant, RevokeOffer: a receiver offers a grant to this broker, or revokes it;
 - NotifyParts: a sender reports parts of grants this broker offered.
 """
 

@@ -11,19 +11,16 @@ from kvbroker.edge.codes import details, status_code, translate_errors
 from kvbroker.edge.exchange import Exchanges
 from kvbroker.edge.trust import PeerGate
 from kvbroker.flows.broker import Broker
-from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
 
 class BrokerServicer(bpb_grpc.BrokerServiceServicer):
-    def __init__(self, broker: Broker, peers: PeerClients, peer_address: str, unregister_wait_s: float,
-                 gate: PeerGate | None = None, data_plane=None, exchanges: Exchanges | None = None) -> None:
+    def __init__(self, broker: Broker, unregister_wait_s: float, gate: PeerGate | None = None,
+                 data_plane=None, exchanges: Exchanges | None = None) -> None:
         self._broker = broker
         self.exchanges = exchanges or Exchanges(broker, max_commands=1024, settle_s=broker.limits.peer_settle_s)
         self._data_plane = data_plane  # server.DataPlane: the data port's fence, for GetBrokerInfo
-        self._peers = peers
-        self._peer_address = peer_address
         self._unregister_wait_s = unregister_wait_s
         self._gate = gate or PeerGate(["*"], authenticated=False)
 
@@ -39,7 +36,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         try:
             session = self._broker.open_session(request.holder)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), details(exc.message))
+            await context.abort(status_code(exc.code), details(exc.reason))
         try:
             yield bpb.OpenSessionResponse(session_id=session.session_id)
             await self._broker.stopping.wait()  # or the caller goes: the handler is cancelled
@@ -73,7 +70,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         try:
             updates = self._broker.watch(request.engine_id, request.request_id)
         except BrokerError as exc:
-            await context.abort(status_code(exc.code), details(exc.message))
+            await context.abort(status_code(exc.code), details(exc.reason))
         async with contextlib.aclosing(updates):
             async for status in updates:
                 yield bpb.WatchTransferResponse(status=convert.status_out(status))
@@ -92,10 +89,10 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         info = self._broker.info()
         return bpb.GetBrokerInfoResponse(
             broker_id=info.broker_id, epoch=info.epoch, version=__version__, backend=info.backend,
-            peer_address=self._peer_address,
+            peer_address=info.peer_address,
             engines=[self._engine_info(e) for e in info.engines],
             peers=[bpb.PeerInfo(address=p.address, broker_id=p.broker_id, epoch=p.epoch, handshakes=p.handshakes)
-                   for p in self._peers.records.values()],
+                   for p in info.peers],
             request_counts=info.request_counts,
             sessions=[bpb.SessionInfo(session_id=x.session_id, holder=x.holder, engine_ids=sorted(x.engine_ids),
                                       opened_unix_ms=int(x.opened_at * 1000))

@@ -11,7 +11,8 @@ It owns the registry, the transfer table, the sessions and the backend, and hand
   the offered flow's one part the PartSender (part_sender.py); `receive_offer`, `revoke_offer`
   (PeerService), the offered flow's offers, kept by the OfferIntake (offer_intake.py). Both senders
   share the send step (send_step.py) and reach peers through the PeerLink the Broker is built with;
-- both sides: `watch`, `cancel`; `info` (GetBrokerInfo).
+- both sides: `watch`, `cancel`; `info` (GetBrokerInfo: engines, sessions, counts and the peers
+  the PeerLink knows).
 Each servicer method makes one call here. Where a request carries page lists, the call takes the
 conversion as a callable (`command`) and looks the engine up (NOT_FOUND) before it runs it, so that
 no page array is built for an engine this broker does not have.
@@ -25,7 +26,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -35,20 +36,22 @@ from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.model import Component, EngineLayout, EngineSpec, TransferState
 from kvbroker.flows.limits import Limits
 from kvbroker.flows.offer_intake import OfferIntake
-from kvbroker.flows.offers import Offer
 from kvbroker.flows.part_sender import PartCommand, PartSender
 from kvbroker.flows.receiver import GrantCommand, Receiver
+from kvbroker.flows.records import Grant, SendRecord, TransferRecord, TransferStatus
 from kvbroker.flows.registry import Engine, Registry
 from kvbroker.flows.sender import Sender, TransferCommand
 from kvbroker.flows.sessions import Session, Sessions
-from kvbroker.flows.transfers import Grant, TransferRecord, TransferStatus, TransferTable
-from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink
+from kvbroker.flows.transfers import TransferTable
+from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink, PeerView
 
 if TYPE_CHECKING:
     from kvbroker.ops.metrics import Metrics
 
 log = logging.getLogger("kvbroker.transfer")
 
+
+T = TypeVar("T")
 
 REVOKE_ANSWER_MARGIN_S = 0.5  # what RevokeOffer keeps of its deadline for the answer itself
 
@@ -58,7 +61,9 @@ class BrokerInfo:
     broker_id: str
     epoch: int
     backend: str
+    peer_address: str
     engines: list[Engine]
+    peers: list[PeerView]
     request_counts: dict[str, int]
     sessions: list[Session]
 
@@ -83,8 +88,10 @@ class Broker:
         self.peer_address = peer_address  # where peers reach this broker, named in the offers it makes
         self.backend = backend
         self.limits = limits
+        self._peers = peers
         self.registry = Registry(limits.max_pages_per_request, observer=metrics, max_engines=limits.max_engines)
-        self.table = TransferTable(observer=metrics, fence=self._fence)  # it also logs each request's end
+        # The table also logs each request's end; its fence is the receiver's revocation of an offered grant.
+        self.table = TransferTable(observer=metrics, fence=lambda record: self.receiver.fence(record))
         self.sender = Sender(self.registry, self.table, backend, peers, limits)
         self.offers = OfferIntake(self.registry, self.table, peers, limits, broker_id, peer_address)
         self.part_sender = PartSender(self.registry, self.table, backend, peers, limits, self.offers)
@@ -104,14 +111,14 @@ class Broker:
     async def drain(self, grace_s: float) -> None:
         """Refuse new requests, let in-flight ones finish within `grace_s`, then fail the rest."""
         self.accepting = False
-        busy = [r for r in self.table.live() if r.task is not None or r.state is TransferState.TRANSFERRING]
+        busy = [r for r in self.table.live() if r.busy]
         if busy:
             log.info("draining %d in-flight requests (grace %.1fs)", len(busy), grace_s)
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in busy], timeout=grace_s)
         ended = self.table.live()
         for record in ended:
             await self._abort(record, Code.UNAVAILABLE, "broker shut down before the request completed")
-        await self.offers.withdraw_all(Code.UNAVAILABLE, "broker shut down before the request completed")
+        await self.offers.end_all(Code.UNAVAILABLE, "broker shut down before the request completed")
         await self.receiver.revoked(ended, timeout=self.limits.peer_settle_s)
         self.stopping.set()
 
@@ -127,7 +134,7 @@ class Broker:
             try:
                 await self._release(engine)
             except BrokerError as exc:  # the other engines are still released
-                log.warning("engine %s: %s", engine.engine_id, exc.message)
+                log.warning("engine %s: %s", engine.engine_id, exc.reason)
         await self.backend.close()
 
     async def register_engine(self, spec: EngineSpec, session_id: str = "") -> Engine:
@@ -159,7 +166,7 @@ class Broker:
         (a claimed transfer is let finish, an offered one is stopped; each wait bounded by `wait_s`)."""
         engine = self.registry.get(engine_id)
         live = self.table.live(engine_id)
-        writing = [r for r in live if r.state is TransferState.TRANSFERRING and r.offer is None and r.offered is None]
+        writing = [r for r in live if r.state is TransferState.TRANSFERRING and r.claimed_flow]
         if writing:  # never release memory a transfer engine is reading or writing
             await asyncio.wait([asyncio.ensure_future(r.done.wait()) for r in writing], timeout=wait_s)
         failed = 0
@@ -196,8 +203,8 @@ class Broker:
         return list(self._sessions)
 
     def info(self) -> BrokerInfo:
-        return BrokerInfo(self.broker_id, self.epoch, self.backend.name, list(self.registry),
-                          dict(self.table.counts), self.sessions())
+        return BrokerInfo(self.broker_id, self.epoch, self.backend.name, self.peer_address, list(self.registry),
+                          list(self._peers.records.values()), dict(self.table.counts), self.sessions())
 
     async def expect_transfer(self, engine_id: str, command: Callable[[], GrantCommand]) -> TransferStatus:
         """A grant (offered to its sender first, if named); NOT_FOUND before `command` converts pages."""
@@ -253,7 +260,7 @@ class Broker:
 
     async def revoke_offer(self, identity: PeerIdentity, engine_id: str, request_id: str, token: str, code: int,
                            reason: str, time_left: float | None) -> bool:
-        """The receiver withdraws its offer; the answer waits, bounded, until no write into it runs."""
+        """The receiver revokes its offer; the answer waits, bounded, until no write into it runs."""
         wait = self.limits.peer_rpc_timeout_s if time_left is None else max(0.0, time_left - REVOKE_ANSWER_MARGIN_S)
         return await self.offers.revoke(identity, engine_id, request_id, token, code, reason, wait)
 
@@ -281,23 +288,21 @@ class Broker:
         await self.receiver.revoked([record], timeout=self.limits.peer_settle_s)
         return record.snapshot()
 
-    async def _fence(self, record: TransferRecord) -> str:
-        return await self.receiver.fence(record)
-
     async def _abort(self, record: TransferRecord, code: Code, reason: str, wait_s: float | None = None) -> int:
         if record.settled:
             return 0
-        if isinstance(record.offer, Offer):
-            wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s
-            return await self.offers.abort(record, code, reason, wait)
-        task = record.interrupt(code, reason)  # the sender fails the record with this cause
-        if task is not None:
-            await asyncio.wait([task], timeout=self.limits.peer_settle_s)
-            return 1
+        if isinstance(record, SendRecord):  # a sender's flow ends it: the intake an offered one, the task a claimed one
+            if record.offer is not None:
+                wait = self.limits.peer_rpc_timeout_s if wait_s is None else wait_s
+                return await self.offers.abort(record, record.offer, code, reason, wait)
+            task = self.table.interrupt(record, code, reason)  # the task fails the record with this cause
+            if task is not None:
+                await asyncio.wait([task], timeout=self.limits.peer_settle_s)
+                return 1
         return int(self.table.fail(record, code, reason))
 
 
-async def _in_thread(fn: Callable, *args, undo: Callable):
+async def _in_thread(fn: Callable[..., T], *args: object, undo: Callable[[T], object]) -> T:
     """`fn(*args)` in a worker thread. If the caller is cancelled meanwhile, the thread still runs to
     its end, and `undo` (also in a thread) releases what it made, so nothing is left mapped."""
     loop = asyncio.get_running_loop()
@@ -305,7 +310,7 @@ async def _in_thread(fn: Callable, *args, undo: Callable):
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        def release(f: asyncio.Future) -> None:
+        def release(f: asyncio.Future[T]) -> None:
             if not f.cancelled() and f.exception() is None:
                 loop.run_in_executor(None, undo, f.result())
         future.add_done_callback(release)

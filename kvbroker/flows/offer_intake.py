@@ -5,12 +5,12 @@ Called by the Broker (the façade):
   and none taken from this broker itself; the offer checked and kept in the OfferBook; one that
   names its engine becomes that engine's PENDING record at once (the server can watch it), and the
   handshake with the receiver is made ahead, so that no part waits for it.
-- `revoke` (PeerService RevokeOffer): the receiver withdraws its offer: the offer ends, the record
+- `revoke` (PeerService RevokeOffer): the receiver revokes its offer: the offer ends, the record
   fails with the receiver's code, and the answer waits (bounded) until no write into it runs.
 - `abort`: the local server cancels (or the engine goes, or the broker drains): the request fails
   (`fail`, the one way an offered request fails here, a failed part's too), and it returns once no
   write runs.
-- `withdraw_all`, `close`: the broker stops.
+- `end_all`, `close`: the broker stops.
 The parts written into the offers are the PartSender's (part_sender.py), which takes offers from
 `book`, the record each feeds from `record_for` (the other receivers' offers of the request end
 there), and reaches the receiver through `session_for` (dialled as the offering identity).
@@ -26,9 +26,10 @@ from kvbroker.core.errors import BrokerError, Code, clip, invalid, peer_code, pr
 from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import registered_pages
-from kvbroker.flows.offers import Offer, OfferBook, OfferQuota
+from kvbroker.flows.offers import OfferBook, OfferQuota
+from kvbroker.flows.records import Offer, SendRecord
 from kvbroker.flows.registry import Registry
-from kvbroker.flows.transfers import TransferRecord, TransferTable
+from kvbroker.flows.transfers import TransferTable
 from kvbroker.peers.link import GrantOffer, PartNotice, PeerLink, PeerSession
 
 if TYPE_CHECKING:
@@ -91,24 +92,24 @@ class OfferIntake:
     def _held_by_rival(self, engine_id: str, request_id: str) -> bool:
         """Whether the engine's live record of the request feeds another receiver's offer (which a
         part naming this one's receiver may still take it from)."""
-        record = self._table.find(engine_id, request_id)
-        return record is not None and not record.state.terminal and isinstance(record.offer, Offer)
+        record = self._table.find_as(SendRecord, engine_id, request_id)
+        return record is not None and not record.state.terminal and record.offer is not None
 
-    def record_for(self, offer: Offer, engine_id: str) -> TransferRecord:
+    def record_for(self, offer: Offer, engine_id: str) -> SendRecord:
         """The sender record the offer a part took feeds: its own, the engine's record taken over from
         another receiver's offer no part has written yet (FAILED_PRECONDITION once one has), or a new
         one. The other receivers' offers of the request for this engine end: the part chose its
         receiver, and they are told."""
         record = offer.record
         if record is None:
-            held = self._table.find(engine_id, offer.request_id)
-            if held is not None and not held.state.terminal and isinstance(held.offer, Offer):
+            held = self._table.find_as(SendRecord, engine_id, offer.request_id)
+            if held is not None and not held.state.terminal and held.offer is not None:
                 rival = held.offer
                 if rival.next_part:
                     raise precondition(f"receiver_broker_id: request {offer.request_id!r} is being sent to "
                                        f"{rival.receiver_id!r} already; a part for {offer.receiver_id!r} cannot "
                                        "join it")
-                rival.record, held.offer, offer.record, held.peer = None, offer, held, offer.receiver_address
+                self._table.feed(held, offer)
                 record = held
             else:
                 record = self.attach(offer, engine_id)
@@ -120,11 +121,9 @@ class OfferIntake:
                               f"rival offer {offer.request_id}")
         return record
 
-    def attach(self, offer: Offer, engine_id: str) -> TransferRecord:
+    def attach(self, offer: Offer, engine_id: str) -> SendRecord:
         """The sender's record of `offer` on engine `engine_id`, fed by its parts."""
-        record = self._table.add_send(engine_id, offer.request_id, offer.components, peer=offer.receiver_address)
-        record.offer, offer.record = offer, record
-        return record
+        return self._table.add_send(engine_id, offer.request_id, offer.components, offer=offer)
 
     async def session_for(self, offer: Offer, timeout: float) -> PeerSession:
         """The receiver's engine; a cached handshake from another epoch or generation than the
@@ -154,9 +153,9 @@ class OfferIntake:
         live = self.book.by_receiver(receiver_id, engine_id, request_id)
         if live is not None:
             return live
-        for record in self._table.with_request_id(request_id):
+        for record in self._table.with_request_id(SendRecord, request_id):
             offer = record.offer
-            if isinstance(offer, Offer) and offer.engine_id == engine_id and offer.receiver_id == receiver_id:
+            if offer is not None and offer.engine_id == engine_id and offer.receiver_id == receiver_id:
                 return offer
         return None
 
@@ -168,41 +167,38 @@ class OfferIntake:
         if not same_token(token, offer.token):
             raise BrokerError(Code.PERMISSION_DENIED, "offer_token: does not match the offer")
         reason = clip(reason) or "no reason given"
-        offer.withdrawn = True
-        self.book.end(offer, precondition(f"the receiver withdrew grant {request_id!r}: {reason}"))
+        offer.revoked = True
+        self.book.end(offer, precondition(f"the receiver revoked grant {request_id!r}: {reason}"))
         if offer.record is not None:
             self._table.fail(offer.record, peer_code(code),
-                             f"the receiver {identity.name!r} withdrew the grant: {reason}")
-        return await self.quiet(offer, wait_s)
+                             f"the receiver {identity.name!r} revoked the grant: {reason}")
+        return await self.quiesced(offer, wait_s)
 
     @staticmethod
-    async def quiet(offer: Offer, wait_s: float) -> bool:
+    async def quiesced(offer: Offer, wait_s: float) -> bool:
         """Wait (bounded) until no part of `offer` is being written; False if some still is."""
         try:
-            await asyncio.wait_for(offer.quiet.wait(), wait_s)
+            await asyncio.wait_for(offer.quiesced.wait(), wait_s)
             return True
         except TimeoutError:
             return False
 
-    async def fail(self, offer: Offer, record: TransferRecord, code: Code, reason: str, wait_s: float) -> bool:
+    async def fail(self, offer: Offer, record: SendRecord, code: Code, reason: str, wait_s: float) -> bool:
         """Fail an offered request: its offer ends, and once no write into it runs (bounded by
         `wait_s`: the receiver reuses its pages once told) its receiver is told. False when the
         record had ended already."""
         if not self._table.fail(record, code, reason):
             return False
         self.book.end(offer, precondition(f"request {record.request_id!r} has failed: {reason}"))
-        await self.quiet(offer, wait_s)
+        await self.quiesced(offer, wait_s)
         await self._tell_failed(offer, record.code, record.reason)
         return True
 
-    async def abort(self, record: TransferRecord, code: Code, reason: str, wait_s: float) -> int:
+    async def abort(self, record: SendRecord, offer: Offer, code: Code, reason: str, wait_s: float) -> int:
         """Fail an offered request here (the local server's cancel, its engine gone, the drain)."""
-        offer = record.offer
-        if not isinstance(offer, Offer):
-            return int(self._table.fail(record, code, reason))
         return int(await self.fail(offer, record, code, reason, wait_s))
 
-    async def withdraw_all(self, code: Code, reason: str) -> None:
+    async def end_all(self, code: Code, reason: str) -> None:
         """The broker stops: every offer it still holds ends, and each receiver is told at once rather
         than left to its grant's expiry (each told within peer_rpc_timeout_s; an offer whose request a
         Transfer had named was aborted with it already)."""
@@ -212,8 +208,8 @@ class OfferIntake:
         await asyncio.gather(*(self._tell_failed(offer, int(code), reason) for offer in offers))
 
     async def _tell_failed(self, offer: Offer, code: int, reason: str) -> None:
-        if offer.withdrawn:
-            return  # the receiver withdrew it: it knows
+        if offer.revoked:
+            return  # the receiver revoked it: it knows
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, offer.next_part, 0, False,
                             code=code, reason=reason)
         try:

@@ -5,7 +5,8 @@ The receiving broker's `OfferGrant` puts an `Offer` into the `OfferBook`; the lo
 names in `receiver_broker_id`; a request id alone is a guess anyone can make), waiting a bounded
 time if it has not arrived; each part it sends is counted on the offer until the last one; the
 receiver's `RevokeOffer`, the offer's expiry or a failed part ends it. Used by the Broker and the
-sender pipeline, on the event loop only.
+sender pipeline, on the event loop only. The `Offer` itself is the send side of a request's
+record (records.py), where the record that a part took it for points back at it.
 
 Offers are keyed by (request id, receiver identity, sending engine; empty when the receiver named
 none): two receivers' offers of one request id never collide, and a part that names no receiver
@@ -24,78 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import numpy as np
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from kvbroker.core.errors import BrokerError, Code, not_found, precondition
-from kvbroker.core.model import Component
-from kvbroker.core.parts import Coverage
-from kvbroker.flows.transfers import TransferRecord
+from kvbroker.flows.records import Offer
 
 log = logging.getLogger("kvbroker.transfer")
-
-
-@dataclass(eq=False)
-class Offer:
-    """A grant offered to this broker: where to write, with which token, and the parts sent so far."""
-
-    receiver_address: str  # the offering broker's peer listener
-    receiver_id: str  # the offering broker's identity
-    receiver_epoch: int
-    engine_id: str  # the receiving engine
-    request_id: str
-    sender_engine_id: str  # the local engine that may send; empty until a Transfer takes the offer
-    granted: dict[Component, np.ndarray]
-    token: str
-    generation: int  # the receiving engine's registry generation when it offered
-    expires_at: float  # loop time
-    coverage: Coverage = field(init=False)
-    next_part: int = 0
-    last_part: int | None = None  # the number of the part marked last, once accepted
-    writing: int = 0  # parts accepted whose notice has not been answered
-    quiet: asyncio.Event = field(default_factory=asyncio.Event)  # set while writing == 0
-    ended: BrokerError | None = None  # why no more part may be sent
-    withdrawn: bool = False  # the receiver revoked it (and so needs no word of its end)
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
-    record: TransferRecord | None = None  # the sender's record once an engine holds the offer
-
-    def __post_init__(self) -> None:
-        self.coverage = Coverage({k: len(v) for k, v in self.granted.items()})
-        self.quiet.set()
-
-    @property
-    def components(self) -> tuple[Component, ...]:
-        return tuple(self.granted)
-
-    def remaining_s(self, now: float) -> float:
-        return max(0.0, self.expires_at - now)
-
-    def begin_part(self, last: bool) -> int:
-        """Number the next part; refuses a part after the last one or after the offer ended."""
-        if self.ended is not None:
-            raise self.ended
-        if self.last_part is not None:
-            raise precondition(f"request {self.request_id!r}: its last part (part {self.last_part}) was sent "
-                               "already; no part may follow it")
-        part = self.next_part
-        self.next_part += 1
-        if last:
-            self.last_part = part
-        self.writing += 1
-        self.quiet.clear()
-        return part
-
-    def end_part(self) -> None:
-        self.writing -= 1
-        if not self.writing:
-            self.quiet.set()
-
-    @property
-    def done(self) -> bool:
-        """Every part up to the last one was sent and answered."""
-        return self.last_part is not None and self.writing == 0
 
 
 OFFER_OVERHEAD_BYTES = 4096  # what one offer holds beside its page arrays: the Offer, its record, ids, timer
@@ -137,14 +73,14 @@ class OfferBook:
         self._offers: dict[tuple[str, str, str], Offer] = {}
         self._held: dict[str, _Held] = {}  # per receiver identity
         self._total = _Held()
-        self._waiters: dict[str, set[asyncio.Future]] = {}
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._gave_up: OrderedDict[str, float] = OrderedDict()  # request id → loop time the note goes
         self._closed = False
 
     def __len__(self) -> int:
         return len(self._offers)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Offer]:
         return iter(list(self._offers.values()))
 
     def held(self, receiver_id: str | None = None) -> tuple[int, int, int]:

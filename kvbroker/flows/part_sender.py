@@ -35,15 +35,15 @@ import numpy as np
 from kvbroker.backends.base import Backend
 from kvbroker.core import topology
 from kvbroker.core.errors import BrokerError, Code, invalid, peer_code, precondition
-from kvbroker.core.model import Component, TransferRole, TransferState
+from kvbroker.core.model import Component, TransferState
 from kvbroker.core.parts import PartPages, PartPlan, check_grant_inside, plan_part
 from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import check_aux, check_identifier, check_part_pages
 from kvbroker.flows.offer_intake import OfferIntake
-from kvbroker.flows.offers import Offer
+from kvbroker.flows.records import Offer, SendRecord, TransferStatus, ended_error
 from kvbroker.flows.registry import Registry
 from kvbroker.flows.send_step import SendJob, failure, write
-from kvbroker.flows.transfers import TransferRecord, TransferStatus, TransferTable, ended_error
+from kvbroker.flows.transfers import TransferTable
 from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import PartNotice, PeerLink, PeerSession
 
@@ -77,8 +77,8 @@ class _Part(SendJob):
     """One part on its way: what its phases read, and what its failure path needs."""
 
     cmd: PartCommand
-    offer: Offer | None = None
-    record: TransferRecord | None = None
+    offer: Offer | None = None  # both set by the offer phase, before the phases that read them
+    record: SendRecord | None = None
     part: int = -1  # its number, once begin_part gave it one
     numbered: bool = False  # begin_part ran: end_part must follow
 
@@ -132,16 +132,16 @@ class PartSender:
 
     async def _phases(self, job: _Part) -> TransferStatus:
         offer, record = await self._offer(job)
-        session = await self._session(job)
-        self._rules(job, session)
-        plan = self._plan(job, session)
-        await self._write(job, session, plan)
-        await self._notify(job, plan)
+        session = await self._session(offer, job)
+        self._rules(job, offer, session)
+        plan = self._plan(job, offer, session)
+        await self._write(job, offer, record, session, plan)
+        await self._notify(job, offer, record, plan)
         if job.cmd.last:
-            await self._finish(job)
+            await self._finish(job, offer, record)
         return record.snapshot()
 
-    async def _offer(self, job: _Part) -> tuple[Offer, TransferRecord]:
+    async def _offer(self, job: _Part) -> tuple[Offer, SendRecord]:
         """The offer this part writes into: held already, or waited for up to offer_wait_s."""
         cmd = job.cmd
         try:
@@ -149,11 +149,11 @@ class PartSender:
         except BrokerError as exc:
             raise _Refused(exc) from None
         if offer is None:
-            record = self._table.find(cmd.engine_id, cmd.request_id)
-            if record is not None and record.role is TransferRole.SENDER:
-                if isinstance(record.offer, Offer) and record.state.terminal:
-                    raise _Refused(ended_error(record, "request"))
-                if not record.state.terminal:
+            held = self._table.find_as(SendRecord, cmd.engine_id, cmd.request_id)
+            if held is not None:
+                if held.offer is not None and held.state.terminal:
+                    raise _Refused(ended_error(held, "request"))
+                if not held.state.terminal:
                     raise BrokerError(Code.ALREADY_EXISTS, f"request_id: request {cmd.request_id!r} is already in "
                                                            f"flight on engine {cmd.engine_id!r} (the claimed flow)")
         try:
@@ -173,26 +173,26 @@ class PartSender:
             raise _Refused(ended_error(record, "request"))
         return offer, record
 
-    async def _session(self, job: _Part) -> PeerSession:
-        return await self._intake.session_for(job.offer, job.rpc_timeout(self._limits.peer_rpc_timeout_s))
+    async def _session(self, offer: Offer, job: _Part) -> PeerSession:
+        return await self._intake.session_for(offer, job.rpc_timeout(self._limits.peer_rpc_timeout_s))
 
-    def _rules(self, job: _Part, session: PeerSession) -> None:
+    def _rules(self, job: _Part, offer: Offer, session: PeerSession) -> None:
         """The topology rules, and the grant's pages inside the receiver's engine (a receiver whose
         grant names pages it does not have fails the request: every later part would write them)."""
-        kinds = [kind for kind, _, _ in job.cmd.pages]
-        topology.check_transfer(job.engine.layout, session.engine, kinds)
-        check_grant_inside(session.engine, job.offer.granted, kinds, self._limits.max_pages_per_request)
+        components = [kind for kind, _, _ in job.cmd.pages]
+        topology.check_transfer(job.engine.layout, session.engine, components)
+        check_grant_inside(session.engine, offer.granted, components, self._limits.max_pages_per_request)
 
-    def _plan(self, job: _Part, session: PeerSession) -> PartPlan:
+    def _plan(self, job: _Part, offer: Offer, session: PeerSession) -> PartPlan:
         pages = [PartPages(kind, ids, offset) for kind, ids, offset in job.cmd.pages]
         try:
-            return plan_part(job.engine.layout, session.engine, job.offer.granted, job.offer.coverage, pages,
+            return plan_part(job.engine.layout, session.engine, offer.granted, offer.coverage, pages,
                              last=job.cmd.last)
         except BrokerError as exc:
             raise _Refused(exc) from None
 
-    async def _write(self, job: _Part, session: PeerSession, plan: PartPlan) -> None:
-        offer = job.offer
+    async def _write(self, job: _Part, offer: Offer, record: SendRecord, session: PeerSession,
+                     plan: PartPlan) -> None:
         try:
             job.part = offer.begin_part(job.cmd.last)
         except BrokerError as exc:
@@ -202,12 +202,12 @@ class PartSender:
             offer.coverage.mark(x.kind, x.dst_offset, x.pages)
         await write(self._backend, job, session.peer_handle, plan.descriptors,
                     lambda: min(job.left(), offer.remaining_s(asyncio.get_running_loop().time())),
-                    lambda: self._table.start(job.record))
+                    lambda: self._table.start(record))
 
-    async def _notify(self, job: _Part, plan: PartPlan) -> None:
-        offer, cmd = job.offer, job.cmd
-        if offer.ended is not None:  # withdrawn while the part was written: the receiver knows
-            raise BrokerError(offer.ended.code, offer.ended.message)
+    async def _notify(self, job: _Part, offer: Offer, record: SendRecord, plan: PartPlan) -> None:
+        cmd = job.cmd
+        if offer.ended is not None:  # revoked or expired while the part was written: the receiver knows
+            raise BrokerError(offer.ended.code, offer.ended.reason)
         notice = PartNotice(offer.engine_id, offer.request_id, offer.token, job.part,
                             job.part + 1 if cmd.last else 0, True, plan.landed, cmd.aux if cmd.last else b"")
         ack = await self._peers.notify(offer.receiver_address, notice)
@@ -215,19 +215,18 @@ class PartSender:
             raise BrokerError(peer_code(ack.code), f"the receiver refused part {job.part}: {ack.reason}")
         if ack.state is TransferState.FAILED:
             raise BrokerError(Code.ABORTED, f"the receiver's grant has failed: {ack.reason}")
-        self._table.progress(job.record, landed={x.kind: x.pages for x in plan.landed}, runs=plan.runs,
+        self._table.progress(record, landed={x.kind: x.pages for x in plan.landed}, runs=plan.runs,
                              nbytes=plan.descriptors.nbytes)
 
-    async def _finish(self, job: _Part) -> None:
+    async def _finish(self, job: _Part, offer: Offer, record: SendRecord) -> None:
         """The last part landed: once every earlier part has too, the request succeeded."""
-        offer = job.offer
         job.end_part()
-        if not await self._intake.quiet(offer, job.left()):
+        if not await self._intake.quiesced(offer, job.left()):
             raise BrokerError(Code.DEADLINE_EXCEEDED if job.caller_bound else Code.UNAVAILABLE,
                               "earlier parts of the request did not complete in time")
-        if job.record.state.terminal:
-            raise ended_error(job.record, "request")
-        self._table.succeed(job.record, truncated=offer.coverage.unfilled())
+        if record.state.terminal:
+            raise ended_error(record, "request")
+        self._table.succeed(record, truncated=offer.coverage.unfilled())
         self._intake.book.end(offer, precondition(f"request {offer.request_id!r} completed already; "
                                                   "no part may follow"))
 
@@ -236,7 +235,7 @@ class PartSender:
         if job.offer is None or job.record is None:
             return
         job.end_part()
-        await self._intake.fail(job.offer, job.record, error.code, error.message, self._limits.peer_rpc_timeout_s)
+        await self._intake.fail(job.offer, job.record, error.code, error.reason, self._limits.peer_rpc_timeout_s)
 
     async def close(self) -> None:
         await self._tasks.cancel(self._limits.peer_settle_s)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,8 +30,8 @@ import numpy as np
 
 from kvbroker.core.errors import BrokerError, Code, clip, invalid, not_found, peer_code, precondition, same_token
 from kvbroker.core.identity import PeerIdentity
-from kvbroker.core.model import Component, TransferRole, TransferState
-from kvbroker.core.parts import Landing, landed_bytes
+from kvbroker.core.model import Component, TransferState
+from kvbroker.core.parts import Landed, Landing, landed_bytes
 from kvbroker.core.validation import (
     check_aux,
     check_components,
@@ -41,8 +42,9 @@ from kvbroker.core.validation import (
     check_unique,
     registered_pages,
 )
-from kvbroker.flows.registry import Registry
-from kvbroker.flows.transfers import Grant, OfferedGrant, TransferRecord, TransferStatus, TransferTable, ended_error
+from kvbroker.flows.records import Grant, GrantRecord, OfferedGrant, TransferRecord, TransferStatus, ended_error
+from kvbroker.flows.registry import Engine, Registry
+from kvbroker.flows.transfers import TransferTable
 from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import GrantOffer, PartAck, PartNotice, PeerLink
 
@@ -79,11 +81,12 @@ class Receiver:
         engine = self._registry.get(cmd.engine_id)
         check_segments(engine.held, cmd.engine_id)
         max_pages = self._limits.max_pages_per_request
+        granted: dict[Component, np.ndarray]
         if cmd.shared:
-            kinds = check_components([kind for kind, _ in cmd.pages], "components")
+            components = check_components([kind for kind, _ in cmd.pages], "components")
             ids = cmd.pages[0][1] if cmd.pages else np.empty(0, dtype=np.int64)
-            check_page_ids(ids, "dst_page_ids", registered_pages(engine.layout, kinds), max_pages, unique=True)
-            granted = {kind: ids for kind in kinds}
+            check_page_ids(ids, "dst_page_ids", registered_pages(engine.layout, components), max_pages, unique=True)
+            granted = {kind: ids for kind in components}
         else:
             granted = check_grant_pages(engine.layout, cmd.pages, "pages", max_pages)
             if not cmd.sender_address:
@@ -105,12 +108,11 @@ class Receiver:
                                    Landing(granted, self._limits.max_parts_per_request))
         record = self._table.add_grant(cmd.engine_id, cmd.request_id, granted, expiry_s, offered)
         if offered is not None:
-            await self._offer(record, engine.generation, expiry_s)
+            await self._offer(record, offered, engine.generation, expiry_s)
         return record.snapshot()
 
-    async def _offer(self, record: TransferRecord, generation: int, expiry_s: float) -> None:
+    async def _offer(self, record: GrantRecord, offered: OfferedGrant, generation: int, expiry_s: float) -> None:
         """Offer the grant to its sender; the grant fails with the offer."""
-        offered = record.offered
         # The offer lives no longer than the grant: what is left of it now, not what was asked for.
         offer = GrantOffer(self._peer_address, record.engine_id, record.request_id, offered.sender_engine_id,
                            dict(record.granted), min(expiry_s, self._table.remaining_s(record)), offered.token,
@@ -122,10 +124,9 @@ class Receiver:
         except BrokerError as exc:
             # The sender answered a refusal: it holds nothing to revoke. Silence (UNAVAILABLE) may hide an
             # offer that arrived, so that one is revoked when the grant fails here.
-            offered.sender_failed = exc.code is not Code.UNAVAILABLE
             failure = BrokerError(exc.code, f"the offer to the sender broker at {offered.sender_address} failed: "
-                                            f"{exc.message}")
-            self._table.fail(record, failure.code, failure.message)
+                                            f"{exc.reason}")
+            self._table.fail(record, failure.code, failure.reason, sender_stopped=exc.code is not Code.UNAVAILABLE)
         finally:
             offered.offered.set()
         if failure is None:
@@ -133,7 +134,7 @@ class Receiver:
                 self._table.fail(record, Code.PERMISSION_DENIED,
                                  f"the broker at {offered.sender_address} answered as {sender_id!r}, but "
                                  f"{offered.sender_id!r} reported parts of the grant")
-            offered.sender_id, offered.sender_epoch = sender_id, epoch
+            self._table.sender_heard(record, sender_id, epoch)
         if record.state is TransferState.FAILED or record.ending is not None:  # failed, cancelled or expired
             # Only once the grant has ended (its revocation answered, or given up on) does the caller hear
             # of the failure: no page it may reuse then can still be written, and the id is free again.
@@ -156,8 +157,9 @@ class Receiver:
         counts kept are this broker's: a one-sided write shows the receiver nothing, so the pages landed
         are the claimant's figure cut to the pages it claimed (unique, inside the grant), bytes those
         pages times this engine's item_len, and truncated_pages the claimed entries left unfilled."""
-        record = self._table.get(engine_id, request_id)
-        if record.role is not TransferRole.RECEIVER:
+        record = self._table.find_as(GrantRecord, engine_id, request_id)
+        if record is None:
+            self._table.get(engine_id, request_id)  # NOT_FOUND when there is no request at all
             raise invalid(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
         if record.offered is not None:
             raise BrokerError(Code.PERMISSION_DENIED, f"grant {request_id!r} was offered to its sender; only that "
@@ -166,8 +168,8 @@ class Receiver:
             return record.state
         if not record.claim_token or not claim_token or not same_token(claim_token, record.claim_token):
             raise BrokerError(Code.PERMISSION_DENIED, f"claim_token: does not match the claim of {request_id!r}")
-        if identity.name != record.peer:
-            raise BrokerError(Code.PERMISSION_DENIED, f"grant {request_id!r} was claimed by {record.peer!r}, not "
+        if identity.name != record.claimant:
+            raise BrokerError(Code.PERMISSION_DENIED, f"grant {request_id!r} was claimed by {record.claimant!r}, not "
                                                       f"{identity.name!r}")
         if succeeded:
             engine = self._registry.find(engine_id)
@@ -186,58 +188,62 @@ class Receiver:
         return [self._take(identity, notice) for notice in notices]
 
     def _take(self, identity: PeerIdentity, n: PartNotice) -> PartAck:
-        record = self._table.find(n.engine_id, n.request_id)
-        if record is None or record.role is not TransferRole.RECEIVER or record.offered is None:
+        record = self._table.find_as(GrantRecord, n.engine_id, n.request_id)
+        offered = None if record is None else record.offered
+        if record is None or offered is None:
             return PartAck(None, int(Code.NOT_FOUND),
                            f"no offered grant {n.request_id[:128]!r} on engine {n.engine_id[:128]!r}")
-        offered = record.offered
         if not same_token(n.token, offered.token):
             return PartAck(None, int(Code.PERMISSION_DENIED), "offer_token: does not match the grant's offer")
         if offered.sender_id and identity.name != offered.sender_id:
             return PartAck(None, int(Code.PERMISSION_DENIED),
                            f"grant {n.request_id!r} was offered to {offered.sender_id!r}, not {identity.name!r}")
-        if record.settled:  # ended, or ending (being revoked at this sender)
+        landing = offered.landing
+        if record.settled or landing is None:  # ended, or ending (being revoked at this sender)
             return PartAck(record.state if record.state.terminal else TransferState.FAILED, 0, record.reason)
-        offered.sender_id = offered.sender_id or identity.name
+        if not offered.sender_id:
+            self._table.sender_heard(record, identity.name)
         if not n.succeeded:
-            offered.sender_failed = True
-            self._table.fail(record, peer_code(n.code), f"sender {identity.name!r} failed: {clip(n.reason)}")
+            self._table.fail(record, peer_code(n.code), f"sender {identity.name!r} failed: {clip(n.reason)}",
+                             sender_stopped=True)
             return PartAck(record.state, 0, record.reason)
         try:
             check_aux(n.aux, last=bool(n.parts_total), max_aux_bytes=self._limits.max_aux_bytes)
             engine = self._registry.get(n.engine_id)
-            offered.landing.check(n.part, n.parts_total, n.landed)
+            landing.check(n.part, n.parts_total, n.landed)
         except BrokerError as exc:
             # The grant's own sender reported what cannot be: its writes can no longer be trusted.
             self._table.fail(record, Code.ABORTED, f"sender {identity.name!r} reported an impossible part: "
-                                                   f"{exc.message}")
-            return PartAck(record.state, int(exc.code), exc.message)
+                                                   f"{exc.reason}")
+            return PartAck(record.state, int(exc.code), exc.reason)
         try:
             self._segments_hold(record, engine)
         except BrokerError as exc:
-            return PartAck(record.state, int(exc.code), exc.message)
-        offered.landing.land(n.part, n.parts_total, n.landed)
-        complete = offered.landing.complete
+            return PartAck(record.state, int(exc.code), exc.reason)
+        landing.land(n.part, n.parts_total, n.landed)
+        complete = landing.complete
         self._table.progress(record, landed=_by_component(n.landed), runs=0,
                              nbytes=landed_bytes(engine.layout, n.landed), last=complete,
                              aux=bytes(n.aux) if n.parts_total else None)
         if complete:
-            self._table.succeed(record, truncated=offered.landing.coverage.unfilled())
+            self._table.succeed(record, truncated=landing.coverage.unfilled())
         return PartAck(record.state)
 
-    def _segments_hold(self, record: TransferRecord, engine) -> None:
+    def _segments_hold(self, record: GrantRecord, engine: Engine) -> None:
         """A write may have crossed a segment shrunk meanwhile: its bytes are not there, and the
         grant fails with the cause (memory.check_segments)."""
         try:
             check_segments(engine.held, engine.engine_id)
         except BrokerError as exc:
-            self._table.fail(record, exc.code, exc.message)
+            self._table.fail(record, exc.code, exc.reason)
             raise
 
-    async def fence(self, record: TransferRecord) -> str:
+    async def fence(self, record: GrantRecord) -> str:
         """Revoke a failing offered grant at its sender: "" once the sender answered that no write into
         it runs, else why that is not known (the grant fails all the same, its reason saying so)."""
         offered, timeout = record.offered, self._limits.peer_rpc_timeout_s
+        if offered is None:  # the table fences offered grants only
+            return ""
         try:
             await asyncio.wait_for(offered.offered.wait(), timeout)  # an offer on its way is revoked after it
             if offered.sender_failed:
@@ -245,7 +251,7 @@ class Receiver:
             quiesced = await self._peers.revoke(offered.sender_address, record.engine_id, record.request_id,
                                                 offered.token, record.code, record.reason, timeout=timeout)
         except (BrokerError, TimeoutError) as exc:
-            message = exc.message if isinstance(exc, BrokerError) else f"no answer within {timeout:g}s"
+            message = exc.reason if isinstance(exc, BrokerError) else f"no answer within {timeout:g}s"
             log.warning("could not revoke grant %s at its sender %s: %s", record.request_id,
                         offered.sender_address, message)
             return f"its revocation at the sender {offered.sender_address} failed: {message}"
@@ -260,7 +266,7 @@ class Receiver:
         await self._table.ended(records, timeout)
 
 
-def _by_component(landed) -> dict[Component, int]:
+def _by_component(landed: Sequence[Landed]) -> dict[Component, int]:
     pages: dict[Component, int] = {}
     for x in landed:
         pages[x.kind] = pages.get(x.kind, 0) + x.pages
@@ -268,14 +274,13 @@ def _by_component(landed) -> dict[Component, int]:
 
 
 def _claimable(table: TransferTable, engine_id: str, request_id: str, components: tuple[Component, ...],
-               dst_page_ids: np.ndarray) -> tuple[TransferRecord, np.ndarray]:
+               dst_page_ids: np.ndarray) -> tuple[GrantRecord, np.ndarray]:
     """The claim rules: a grant goes to one sender, once, and only pages of it. Raises without
     changing the grant when refused; else the grant and the pages the claim hands out."""
-    try:
-        record = table.get(engine_id, request_id)
-    except BrokerError:
-        raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}") from None
-    if record.role is not TransferRole.RECEIVER:
+    record = table.find_as(GrantRecord, engine_id, request_id)
+    if record is None:
+        if table.find(engine_id, request_id) is None:
+            raise not_found(f"request_id: no grant for request {request_id!r} on engine {engine_id!r}")
         raise not_found(f"request_id: request {request_id!r} on engine {engine_id!r} is not a grant")
     if record.state is TransferState.FAILED:
         raise ended_error(record, "grant")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -88,7 +88,7 @@ def _close_all(held: list[Held]) -> None:
 
 @dataclass
 class _Span:
-    memory: tuple  # ("shm", dev, ino), ("shm-name", name) or ("cuda", device, handle): spans of one may not overlap
+    memory: tuple[object, ...]  # ("shm", dev, ino), ("shm-name", name) or ("cuda", device, handle): no overlaps
     label: str  # the memory, for messages
     start: int
     end: int
@@ -117,7 +117,7 @@ class Registry:
     def __contains__(self, engine_id: str) -> bool:
         return engine_id in self._engines
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Engine]:
         return iter(list(self._engines.values()))
 
     def __len__(self) -> int:

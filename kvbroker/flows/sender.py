@@ -34,9 +34,10 @@ from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.core.model import Component, TransferState
 from kvbroker.core.planner import TransferPlan, plan_transfer
 from kvbroker.core.validation import check_components, check_identifier, check_page_ids, registered_pages
+from kvbroker.flows.records import Grant, SendRecord, TransferStatus
 from kvbroker.flows.registry import Registry
 from kvbroker.flows.send_step import SendJob, failure, write
-from kvbroker.flows.transfers import Grant, TransferRecord, TransferStatus, TransferTable
+from kvbroker.flows.transfers import TransferTable
 from kvbroker.memory.mapping import check_segments
 from kvbroker.peers.link import PeerLink, PeerSession
 
@@ -61,7 +62,7 @@ class TransferCommand:
 class _Send(SendJob):
     """One transfer on its way: what its phases read, and what its failure path needs to know."""
 
-    record: TransferRecord
+    record: SendRecord
     cmd: TransferCommand
     token: str = ""  # the claim's, once claimed
     reached_peer: bool = False
@@ -84,14 +85,14 @@ class Sender:
             raise invalid("peer_address: the peer broker's address is required")
         engine = self._registry.get(cmd.engine_id)
         check_segments(engine.held, cmd.engine_id)
-        kinds = check_components(cmd.components, "components")
-        num_pages = registered_pages(engine.layout, kinds)
+        components = check_components(cmd.components, "components")
+        num_pages = registered_pages(engine.layout, components)
         check_page_ids(cmd.src_page_ids, "src_page_ids", num_pages, self._limits.max_pages_per_request,
                        unique=False)
         if cmd.dst_page_ids.size:
             check_page_ids(cmd.dst_page_ids, "dst_page_ids", np.iinfo(np.int64).max,
                            self._limits.max_pages_per_request, unique=True)
-        record = self._table.add_send(cmd.engine_id, cmd.request_id, kinds, peer=cmd.peer_address)
+        record = self._table.add_send(cmd.engine_id, cmd.request_id, components, receiver_address=cmd.peer_address)
         job = _Send(cmd.engine_id, engine, *SendJob.budget_for(timeout, self._limits.transfer_timeout_s),
                     record, cmd)
         task = record.run(self._send(job), f"transfer {cmd.engine_id}/{cmd.request_id}")
@@ -116,7 +117,7 @@ class Sender:
         except (Exception, asyncio.CancelledError) as exc:
             cancelled = BrokerError(Code(record.code or Code.CANCELLED), record.reason or "transfer was cancelled")
             error = failure(exc, job, "transfer", cmd.request_id, cancelled)
-            self._table.fail(record, error.code, error.message)
+            self._table.fail(record, error.code, error.reason)
         finally:
             if record.state is TransferState.FAILED and job.reached_peer:
                 await self._tell_peer_failed(job)
@@ -136,16 +137,16 @@ class Sender:
     async def _rules(self, job: _Send, session: PeerSession) -> PeerSession:
         """Check every topology rule; a cached handshake that fails is refreshed once before refusing,
         since the peer engine may have re-registered since."""
-        kinds = job.record.components
+        components = job.record.components
         try:
             try:
-                topology.check_transfer(job.engine.layout, session.engine, kinds)
+                topology.check_transfer(job.engine.layout, session.engine, components)
                 return session
             except BrokerError:
                 fresh = await self._handshake(job, refresh=True)
                 if (fresh.epoch, fresh.generation) == (session.epoch, session.generation):
                     raise
-                topology.check_transfer(job.engine.layout, fresh.engine, kinds)
+                topology.check_transfer(job.engine.layout, fresh.engine, components)
                 return fresh
         except BrokerError:
             await self._claim_to_refuse(job, session)

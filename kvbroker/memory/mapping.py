@@ -201,7 +201,7 @@ def check_segments(held: Iterable[object], engine_id: str) -> None:
             try:
                 item.check_intact()
             except BrokerError as exc:
-                raise BrokerError(exc.code, f"engine {engine_id!r}: {exc.message}") from None
+                raise BrokerError(exc.code, f"engine {engine_id!r}: {exc.reason}") from None
 
 
 def _free_bytes() -> int:

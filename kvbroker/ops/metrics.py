@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -19,6 +20,13 @@ from kvbroker.core.errors import code_name
 from kvbroker.core.model import Component, TransferState
 from kvbroker.flows.registry import Engine
 from kvbroker.flows.transfers import TransferRecord
+
+# Why Admission refuses a request, per port (edge/admission.py): too_large by its size before it is
+# parsed, malformed when it does not parse, too_many_entries by a list over its bound; on the peer
+# port also no_read_slot when its reads stayed taken for peer_rpc_timeout_s, and no_message for a call
+# that carried none (grpc refused its message over max_peer_message_bytes, or the caller sent none).
+REFUSAL_REASONS = {"local": ("too_large", "malformed", "too_many_entries"),
+                   "peer": ("too_large", "malformed", "too_many_entries", "no_read_slot", "no_message")}
 
 # From one small page on loopback (well under a millisecond) to the default transfer timeout.
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -73,6 +81,10 @@ class Metrics:
         self.part_notices = Counter("kvbroker_peer_part_notices",
                                     "Part notices sent to peer brokers; over notify_calls: notices per call",
                                     registry=r)
+        self.refused = Counter(
+            "kvbroker_refused_requests",
+            "Requests refused before their handler saw them (edge/admission.py), per port and reason",
+            ["port", "reason"], registry=r)
         for kind in (Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV):  # zeros first
             self.registered_bytes.labels(kind.name)
             for role in ("sender", "receiver"):
@@ -81,6 +93,9 @@ class Metrics:
         for role in ("sender", "receiver"):
             for counter in (self.pages, self.runs, self.truncated):
                 counter.labels(role)
+        for port, reasons in REFUSAL_REASONS.items():
+            for reason in reasons:
+                self.refused.labels(port, reason)
         self._page_bytes: dict[str, dict[Component, int]] = {}  # engine → bytes of one page per component
         self._http: tuple[WSGIServer, threading.Thread] | None = None
 
@@ -129,6 +144,12 @@ class Metrics:
         """One NotifyParts call to a peer, carrying `notices` part notices (batched under load)."""
         self.notify_calls.inc()
         self.part_notices.inc(notices)
+
+    def refusal(self, port: str) -> Callable[[str], None]:
+        """What Admission calls on `port` ("local" or "peer") for each request it refuses, with the
+        refusal's reason."""
+        counter = self.refused
+        return lambda reason: counter.labels(port, reason).inc()
 
     def serve(self, address: str) -> str:
         """Serve /metrics on `address` (host:port) from a daemon thread; returns host:port as bound."""

@@ -207,7 +207,7 @@ class PeerClients:
             engine = wire.engine_layout_in(reply.engine)
             regions = declared_regions(engine)  # every write to the peer lies in these (planner)
         except BrokerError as exc:  # the peer's answer is unusable; the caller's request was fine
-            raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.message}") from None
+            raise BrokerError(Code.ABORTED, f"peer broker {address}: unusable handshake: {exc.reason}") from None
         connecting = asyncio.ensure_future(self._backend.connect(reply.backend_metadata, regions))
         try:
             handle = await asyncio.shield(connecting)  # a connect made is always given back

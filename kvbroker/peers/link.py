@@ -7,7 +7,7 @@ so that the sender, the receiver and the peer clients import them without import
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -76,7 +76,25 @@ class PartAck:
     reason: str = ""
 
 
+class PeerView(Protocol):
+    """A peer broker this one handshakes with, as GetBrokerInfo shows it (clients.PeerRecord)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def broker_id(self) -> str: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def handshakes(self) -> int: ...
+
+
 class PeerLink(Protocol):
+    @property
+    def records(self) -> Mapping[str, PeerView]:
+        """The peer brokers handshaked with and not forgotten (idle ones are), by address."""
+        ...
+
     async def session(self, address: str, engine_id: str, *, refresh: bool, timeout: float,
                       expect: str = "") -> PeerSession:
         """A handshake with `engine_id` at `address`; with `expect`, the broker answering must be that
@@ -95,7 +113,7 @@ class PeerLink(Protocol):
 
     async def revoke(self, address: str, engine_id: str, request_id: str, token: str, code: int, reason: str,
                      timeout: float) -> bool:
-        """Withdraw an offer; whether no write into it runs on the sender any longer."""
+        """Revoke an offer; whether no write into it runs on the sender any longer (quiesced)."""
         ...
 
     async def notify(self, address: str, notice: PartNotice) -> PartAck:

@@ -404,6 +404,35 @@ async def test_engines_are_registered_again_after_a_restart_before_the_client_ca
         assert client.restarts_seen == 1
 
 
+async def test_a_restart_whose_first_registration_fails_is_counted_once(brokers_of_test, pools):
+    """The rejoin retries a registration that failed; the retry is the same restart, not a second one."""
+    broker = await brokers_of_test.start()
+    async with await connect(broker.listen) as client:
+        dst = pool_engine(pools, unique("decode"), fill="canary")
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        register, failed = client._stub.RegisterEngine, []
+
+        async def fails_once(request, **kwargs):
+            if not failed:
+                failed.append(request.engine_id)
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details="injected: the first registration after the restart fails")
+            return await register(request, **kwargs)
+
+        client._stub.RegisterEngine = fails_once
+        broker = await brokers_of_test.restart(broker)
+        async with await connect(broker.listen, session=False) as observer:
+            async def registered() -> None:
+                for _ in range(1000):  # bounded by wait_for below
+                    if dst.engine_id in (await observer.info()).engine_ids:
+                        return
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(registered(), 30)
+    assert failed == [dst.engine_id]
+    assert client.restarts_seen == 1
+
+
 async def test_info_notices_a_new_epoch_and_registers_again(brokers_of_test, pools):
     broker = await brokers_of_test.start()
     async with await connect(broker.listen) as client:

@@ -1,7 +1,12 @@
 """Bounds before work, on both ports, against real brokers: a stranger's big messages, a local server's
 big messages, a flood of idle connections, layer buffers at registration and in a peer's handshake
-answer. Each is refused fast, with RESOURCE_EXHAUSTED naming its setting where a bound refuses it;
-the broker's memory (VmRSS of its process) stays bounded and health keeps answering meanwhile."""
+answer. Each is refused before work, with RESOURCE_EXHAUSTED naming its setting where a bound
+refuses it, by the path that should refuse it: a request over its method's bound by its size
+before it is parsed (its details say so, kvbroker_refused_requests_total counts it under
+too_large, and the same bytes made unparseable are refused alike); the broker's memory (VmRSS of
+its process, against its own figure before the flood) stays bounded and health keeps answering
+SERVING meanwhile. How fast health answers under a flood is measured in benchmarks/health_flood.py,
+not bounded here: a time bound fails for load alone on a shared machine."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import resource
 import socket
 import sys
 import time
-from dataclasses import dataclass
+import urllib.request
 
 import grpc
 import numpy as np
@@ -28,8 +33,10 @@ from tests.conftest import ALL, close_broker, open_broker, until
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
-HEALTH_PROMPT_S = 2.0  # the least "answers promptly" allows, however fast its baseline (health was 5.9 s
+HEALTH_PROMPT_S = 2.0  # prompt_bound's floor (test_lying_peer's refused handshake answer; health was 5.9 s
 # under the flood when the work came before the refusal)
+HEALTH_TIMEOUT_S = 10.0  # a health check under a flood that has no answer by then failed, however loaded the
+# machine (its speed: benchmarks/health_flood.py)
 SLOWDOWN = 3  # how much slower than its baseline, measured in the same run, a call may be under a flood
 CONCURRENT = 16
 
@@ -54,34 +61,27 @@ async def health_times(address: str, count: int = 10) -> list[float]:
     return times
 
 
-def same_bytes(payload: bytes, message, field: str = "request_id") -> bytes:
-    """A request of `message`'s type exactly as long as `payload`, its bytes one string (`field`):
-    what the broker reads as cheaply as bytes can be read, parsed or not."""
-    setattr(message, field, "r")
-    setattr(message, field, "r" * (len(payload) - len(message.SerializeToString()) + 1))
-    while len(message.SerializeToString()) > len(payload):  # the longer length prefix
-        setattr(message, field, getattr(message, field)[:-1])
-    return message.SerializeToString()
+def unparseable(data: bytes) -> bytes:
+    """`data` with one byte more that cannot end a message (a tag's varint cut short): a request of the
+    same size that a parser refuses as malformed. Refused RESOURCE_EXHAUSTED by its size, it shows that
+    the size was checked before any parsing."""
+    return data + b"\xff"
 
 
-@dataclass(frozen=True)
-class FloodBounds:
-    health_s: float  # the slowest health check allowed
-    call_s: float  # the slowest refusal allowed
+def refused_counts(broker) -> dict[tuple[str, str], float]:
+    """kvbroker_refused_requests_total of `broker` (started with --metrics-listen), by (port, reason)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{broker.process.metrics_listen}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return {(s.labels["port"], s.labels["reason"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "kvbroker_refused_requests_total"}
 
 
-async def calm_flood(pid: int, addresses: list[str], floods: list[tuple[str, str, list[bytes], int]]) -> FloodBounds:
-    """Bounds for a flood, from its baseline in the same run: while the flood's callers send, method by
-    method, requests as many and as long as the flood's (`floods`: address, method, payloads,
-    concurrent callers), each a single string, so with the callers' and the bytes' own cost but
-    none of the lists'. Both by prompt_bound. (The broker's CPU time is printed: 4.4-5.4 s for the
-    local flood here, 15.7-17.1 s with the size check before parsing removed; it is not asserted,
-    since the baseline's own cost rises with such a breakage too.)"""
-    calls: list[float] = []
-    async with Watch(pid, addresses).during() as calm:
-        for address, method, payloads, concurrent in floods:
-            calls += [s for _, _, s in await raw_calls(address, method, payloads, rounds=3, concurrent=concurrent)]
-    return FloodBounds(prompt_bound(calm.health_s), prompt_bound(calls, floor=15.0))
+async def refused_since(broker, before: dict[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """The refusals counted since `before`, those that were counted at all."""
+    after = await asyncio.to_thread(refused_counts, broker)
+    return {key: value - before.get(key, 0) for key, value in after.items() if value != before.get(key, 0)}
 
 
 def cpu_s(pid: int) -> float:
@@ -114,23 +114,25 @@ while True:
     for channel in channels:
         started = time.monotonic()
         try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            pass
-        print(time.monotonic() - started, flush=True)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as exc:
+            status = exc.code().name
+        print(status, time.monotonic() - started, flush=True)
     time.sleep(0.02)
 """
 
 
 class Watch:
-    """While a flood runs: the broker's peak VmRSS, and how long its health checks take (timed by
-    PROBER, in a process of its own)."""
+    """While a flood runs: the broker's peak VmRSS, and what its health checks answer and how long they
+    take (asked by PROBER, in a process of its own, each with HEALTH_TIMEOUT_S)."""
 
     def __init__(self, pid: int, addresses: list[str]) -> None:
         self.pid = pid
         self.addresses = addresses
         self.peak = rss_mib(pid)
         self.health_s: list[float] = []
+        self.health: list[str] = []  # each check's answer: SERVING, or its error's code
         self.cpu_s = 0.0  # the broker's CPU seconds while it ran
         self._stop = asyncio.Event()
 
@@ -143,12 +145,20 @@ class Watch:
 
     async def _read(self, prober: asyncio.subprocess.Process) -> None:
         while line := await prober.stdout.readline():
-            self.health_s.append(float(line))
+            status, took = line.split()
+            self.health.append(status.decode())
+            self.health_s.append(float(took))
+
+    def assert_serving(self) -> None:
+        """Every health check answered SERVING, within HEALTH_TIMEOUT_S, and there were some."""
+        assert len(self.health) >= 2 * len(self.addresses), f"only {len(self.health)} health checks"
+        failed = [(s, round(t, 2)) for s, t in zip(self.health, self.health_s) if s != "SERVING"]
+        assert not failed, f"{len(failed)} of {len(self.health)} health checks failed: {failed[:5]}"
 
     @contextlib.asynccontextmanager
     async def during(self):
         prober = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", PROBER, str(3 * HEALTH_PROMPT_S), *self.addresses,
+            sys.executable, "-c", PROBER, str(HEALTH_TIMEOUT_S), *self.addresses,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
         try:
             ready = await asyncio.wait_for(prober.stdout.readline(), 90)
@@ -161,7 +171,7 @@ class Watch:
                 self.cpu_s = cpu_s(self.pid) - cpu_before
                 # one more round of checks after the flood's last call: each check that was running ends
                 wanted = len(self.health_s) + 2 * len(self.addresses)
-                await until(lambda: len(self.health_s) >= wanted, timeout=10 * HEALTH_PROMPT_S)
+                await until(lambda: len(self.health_s) >= wanted, timeout=3 * len(self.addresses) * HEALTH_TIMEOUT_S)
             finally:
                 self._stop.set()
                 await sampling
@@ -175,32 +185,32 @@ class Watch:
                 await prober.wait()
 
 
-async def settled_rss(pid: int, bound: float, timeout: float = 10.0) -> float:
+async def settled_rss(pid: int, bound: float, timeout: float = 30.0) -> float:
     """The broker's VmRSS once it is under `bound`, or after `timeout`."""
     await until(lambda: rss_mib(pid) <= bound, timeout)
     return rss_mib(pid)
 
 
 async def raw_calls(address: str, method: str, payloads: list[bytes], rounds: int, concurrent: int = CONCURRENT
-                    ) -> list[tuple[str, str, float]]:
-    """Each payload sent `rounds` times on `concurrent` channels at once; (code, details, seconds) of each."""
+                    ) -> list[tuple[int, str, str]]:
+    """Each payload sent `rounds` times on `concurrent` channels at once; (payload's index, code, details)
+    of each call."""
     channels = [grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 256 * MiB)])
                 for _ in range(concurrent)]
 
-    async def one(channel, data) -> tuple[str, str, float]:
+    async def one(channel, index: int) -> tuple[int, str, str]:
         call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
-        started = time.monotonic()
         try:
-            await call(data, timeout=60)
-            return "OK", "", time.monotonic() - started
+            await call(payloads[index], timeout=60)
+            return index, "OK", ""
         except grpc.aio.AioRpcError as exc:
-            return exc.code().name, exc.details() or "", time.monotonic() - started
+            return index, exc.code().name, exc.details() or ""
 
     results = []
     try:
         for _ in range(rounds):
-            for data in payloads:
-                results += await asyncio.gather(*(one(c, data) for c in channels))
+            for index in range(len(payloads)):
+                results += await asyncio.gather(*(one(c, index) for c in channels))
     finally:
         for channel in channels:
             await channel.close()
@@ -212,8 +222,19 @@ def page_ids(count: int, largest: int = (1 << 20) - 1) -> list[int]:
     return [largest] * count
 
 
+def by_size(details: str, setting: str) -> bool:
+    """Whether `details` is Admission's refusal by size, before parsing, naming `setting`."""
+    return "bytes exceed the" in details and setting in details
+
+
+def outcomes(results: list[tuple[int, str, str]], index: int) -> set[str]:
+    return {code for i, code, _ in results if i == index}
+
+
 async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
-    broker = await open_broker("bounds-remote", "nixl")
+    # Calls wait for a read slot up to peer_rpc_timeout_s: long enough here that a loaded machine's
+    # slowness is never refused as no_read_slot, which is not what this test is about.
+    broker = await open_broker("bounds-remote", "nixl", "--metrics-listen", "127.0.0.1:0", "--peer-rpc-timeout-s", "60")
     try:
         pid = broker.process.pid
         baseline = rss_mib(pid)
@@ -224,37 +245,35 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
             claim.ClearField("dst_page_ids")
             claim.dst_page_ids.extend(page_ids(ids))
             payloads.append(claim.SerializeToString())
+        payloads += [unparseable(payloads[1]), unparseable(payloads[2])]
         offer = ppb.OfferGrantRequest(broker_id="stranger", engine_id="e", request_id="r", pages=[
             pb.ComponentPages(component=c, page_ids=page_ids(900_000)) for c in (1, 2, 3, 4)])
-        addresses = [broker.process.listen, broker.peer_address]
-        bounds = await calm_flood(pid, addresses, [
-            (broker.peer_address, "/kvbroker.v1.PeerService/ClaimGrant",
-             [same_bytes(p, ppb.ClaimGrantRequest(broker_id="stranger", engine_id="no-such-engine")) for p in payloads],
-             CONCURRENT),
-            (broker.peer_address, "/kvbroker.v1.PeerService/OfferGrant",
-             [same_bytes(offer.SerializeToString(), ppb.OfferGrantRequest(broker_id="stranger", engine_id="e"))],
-             CONCURRENT)])
-        async with Watch(pid, addresses).during() as watch:
+        counted = await asyncio.to_thread(refused_counts, broker)
+        async with Watch(pid, [broker.process.listen, broker.peer_address]).during() as watch:
             claims = await raw_calls(broker.peer_address, "/kvbroker.v1.PeerService/ClaimGrant", payloads, rounds=3)
             offers = await raw_calls(broker.peer_address, "/kvbroker.v1.PeerService/OfferGrant",
                                      [offer.SerializeToString()], rounds=3)
         after = await settled_rss(pid, baseline + 200)
-        codes = {code for code, _, _ in claims}
-        assert codes == {"RESOURCE_EXHAUSTED", "NOT_FOUND"}, claims[:3]
-        assert all(("max_pages_per_request" in d or "larger than max" in d) for c, d, _ in claims
-                   if c == "RESOURCE_EXHAUSTED"), {d for _, d, _ in claims}
-        assert all(c != "OK" for c, _, _ in offers)
-        slowest = max(s for _, _, s in claims + offers)
-        assert slowest < bounds.call_s, f"a refusal took {slowest:.1f}s (bound {bounds.call_s:.1f}s)"
+        # 55 MiB: over the port's limit, refused by grpc unread
+        assert all(c == "RESOURCE_EXHAUSTED" and "larger than max" in d for i, c, d in claims if i == 0), claims[0]
+        # 9 MiB, parseable or not: over ClaimGrant's one page list, refused by its size before parsing
+        # (were it parsed first, the one would be refused by its list's length, the other as malformed)
+        sized = [(c, by_size(d, "max_pages_per_request")) for i, c, d in claims if i in (1, 3)]
+        assert set(sized) == {("RESOURCE_EXHAUSTED", True)}, {(c, d) for i, c, d in claims if i in (1, 3)}
+        assert outcomes(claims, 2) == {"NOT_FOUND"}  # 3 MiB fits: parsed, and no such engine
+        assert outcomes(claims, 4) == {"INVALID_ARGUMENT"}  # the same, unparseable: parsed, and malformed
+        assert all(c != "OK" for _, c, _ in offers), offers[0]
+        refused = await refused_since(broker, counted)
+        # the 55 MiB ones reach the handler as calls without a message
+        assert refused == {("peer", "too_large"): 2 * 3 * CONCURRENT, ("peer", "malformed"): 3 * CONCURRENT,
+                           ("peer", "no_message"): 3 * CONCURRENT}, refused
         # 16 callers at once, 8 read at a time: about 400 MiB over the baseline here; 1.2-1.4 GiB when each
         # refused request stayed alive in its abort's traceback until a full collection
         assert watch.peak < baseline + 768, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
-        assert max(watch.health_s) < bounds.health_s, \
-            f"health took up to {max(watch.health_s):.1f}s (bound {bounds.health_s:.1f}s)"
+        watch.assert_serving()
         print(f"remote flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
-              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks "
-              f"(bound {bounds.health_s:.2f}s), "
+              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks, "
               f"broker CPU {watch.cpu_s:.2f}s")
     finally:
         assert await close_broker(broker) == 0
@@ -292,7 +311,7 @@ def repeated_layer_buffers(engine_id: str, count: int) -> bytes:
 
 
 async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
-    broker = await open_broker("bounds-local", "nixl")
+    broker = await open_broker("bounds-local", "nixl", "--metrics-listen", "127.0.0.1:0")
     try:
         pid = broker.process.pid
         baseline = rss_mib(pid)
@@ -302,30 +321,27 @@ async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
         small_expect = bpb.ExpectTransferRequest(engine_id="no-such-engine", request_id="r", components=ALL,
                                                  dst_page_ids=page_ids(1 << 20)).SerializeToString()
         assert len(register) > 50 * MiB and len(expect) > 50 * MiB
-        bounds = await calm_flood(pid, [broker.process.listen], [
-            (broker.process.listen, "/kvbroker.v1.BrokerService/RegisterEngine",
-             [same_bytes(register, bpb.RegisterEngineRequest(), "engine_id")], 4),
-            (broker.process.listen, "/kvbroker.v1.BrokerService/ExpectTransfer",
-             [same_bytes(p, bpb.ExpectTransferRequest(engine_id="no-such-engine")) for p in (expect, small_expect)],
-             4)])
+        counted = await asyncio.to_thread(refused_counts, broker)
         async with Watch(pid, [broker.process.listen]).during() as watch:
             registers = await raw_calls(broker.process.listen, "/kvbroker.v1.BrokerService/RegisterEngine",
-                                        [register], rounds=4, concurrent=4)
+                                        [register, unparseable(register)], rounds=2, concurrent=4)
             expects = await raw_calls(broker.process.listen, "/kvbroker.v1.BrokerService/ExpectTransfer",
-                                      [expect, small_expect], rounds=4, concurrent=4)
+                                      [expect, small_expect, unparseable(expect)], rounds=4, concurrent=4)
         after = await settled_rss(pid, baseline + 200)
-        assert {(c, "max_layer_buffers" in d) for c, d, _ in registers} == {("RESOURCE_EXHAUSTED", True)}, registers[0]
-        assert {c for c, _, _ in expects} == {"RESOURCE_EXHAUSTED", "NOT_FOUND"}, expects[0]
-        assert all("max_pages_per_request" in d for c, d, _ in expects if c == "RESOURCE_EXHAUSTED")
-        slowest = max(s for _, _, s in registers + expects)
-        assert slowest < bounds.call_s, f"a refusal took {slowest:.1f}s (bound {bounds.call_s:.1f}s)"
+        # Parseable or not, each big one is refused by its size before parsing (were it parsed first,
+        # the one would be refused by its list's length, the other as malformed).
+        assert {(c, by_size(d, "max_layer_buffers")) for _, c, d in registers} == {("RESOURCE_EXHAUSTED", True)}, \
+            {(c, d) for _, c, d in registers}
+        sized = {(c, by_size(d, "max_pages_per_request")) for i, c, d in expects if i in (0, 2)}
+        assert sized == {("RESOURCE_EXHAUSTED", True)}, {(c, d) for i, c, d in expects if i in (0, 2)}
+        assert outcomes(expects, 1) == {"NOT_FOUND"}  # 3 MiB fits: parsed, and no such engine
+        refused = await refused_since(broker, counted)
+        assert refused == {("local", "too_large"): 2 * 2 * 4 + 2 * 4 * 4}, refused
         assert watch.peak < baseline + 1536, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
-        assert max(watch.health_s) < bounds.health_s, \
-            f"health took up to {max(watch.health_s):.1f}s (bound {bounds.health_s:.1f}s)"
+        watch.assert_serving()
         print(f"local flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
-              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks "
-              f"(bound {bounds.health_s:.2f}s), "
+              f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks, "
               f"broker CPU {watch.cpu_s:.2f}s")
     finally:
         assert await close_broker(broker) == 0
@@ -350,19 +366,14 @@ async def test_a_flood_of_idle_connections_leaves_the_broker_serving_and_is_clos
     try:
         pid = broker.process.pid
         before = sockets(pid)
-        bound = prompt_bound(await health_times(broker.process.listen))
+        await health_times(broker.process.listen)
         host, port = broker.peer_address.rsplit(":", 1)
         room = hard - len(os.listdir("/proc/self/fd")) - 64  # what this process may open, less what it needs
         for _ in range(room):
             flood.append(socket.create_connection((host, int(port)), timeout=30))
         assert len(flood) > 4096, f"the test's fd limit ({hard}) leaves room for only {len(flood)} connections"
 
-        async with grpc.aio.insecure_channel(broker.process.listen) as channel:
-            started = time.monotonic()
-            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            took = time.monotonic() - started
-            assert took < bound, f"health took {took:.1f}s under the flood (bound {bound:.1f}s)"
+        await health_times(broker.process.listen)  # SERVING each time, under the flood
         engine = await engines.make(broker, "decode", fill="canary")  # maps a segment: an fd of its own
         assert engine.engine_id
         assert sockets(pid) < before + 64 + 16, f"{sockets(pid)} sockets held, {before} before the flood"
@@ -411,21 +422,17 @@ async def test_an_engine_with_more_layer_buffers_than_the_bound_is_refused_fast(
     segment = SharedSegment.create(64 * count, "kvbt-buffers")
     try:
         request = many_layer_buffers(f"buffers-{os.getpid()}/tp0", count, segment.name)
-        # The baseline: the same rule refusing one buffer over the bound (4097), timed in the same run.
-        baseline = []
-        for _ in range(3):
-            started = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError):
-                await broker.stub.RegisterEngine(many_layer_buffers(f"few-{os.getpid()}/tp0", 4097, segment.name),
-                                                 timeout=60)
-            baseline.append(time.monotonic() - started)
-        started = time.monotonic()
+        # One buffer over the bound (4097) is parsed and refused by its list's length, before conversion;
+        # 100000 are refused by their size, before parsing.
+        with pytest.raises(grpc.aio.AioRpcError) as over:
+            await broker.stub.RegisterEngine(many_layer_buffers(f"few-{os.getpid()}/tp0", 4097, segment.name),
+                                             timeout=60)
+        assert over.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "more than 4096 layer buffers in one engine (max_layer_buffers)" in over.value.details()
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await broker.stub.RegisterEngine(request, timeout=60)
-        took, bound = time.monotonic() - started, prompt_bound(baseline, floor=1.0)
-        assert took < bound, f"refusing {count} layer buffers took {took:.2f}s (bound {bound:.2f}s)"
         assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_layer_buffers" in refused.value.details()
+        assert by_size(refused.value.details(), "max_layer_buffers"), refused.value.details()
         info = await broker.stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=10)
         assert not info.engines
     finally:

@@ -358,7 +358,7 @@ async def copy_into_shrunk_segments(backend: str) -> dict:
                 mapped[side].check_intact()
                 result[side] = "intact"
             except BrokerError as exc:
-                result[side] = [exc.code.name, exc.message, mapped[side].poisoned]
+                result[side] = [exc.code.name, exc.reason, mapped[side].poisoned]
         return result
 
     try:

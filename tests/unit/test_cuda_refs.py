@@ -140,7 +140,7 @@ AT = "components[0].layer_buffers[0] (layer 2, FLAT).memory.cuda_ipc"
 def test_bad_cuda_refs_are_invalid_argument_naming_the_field(bad, words):
     error = refusal(validate_spec, spec(index_k(bad)), 1 << 20)
     assert error.code is Code.INVALID_ARGUMENT
-    assert words in error.message
+    assert words in error.reason
 
 
 def test_an_engine_cannot_mix_host_and_gpu_memory():
@@ -148,17 +148,17 @@ def test_an_engine_cannot_mix_host_and_gpu_memory():
                                                                            1024, 64))), 1 << 20)
     assert error.code is Code.INVALID_ARGUMENT
     assert "layer_buffers[1] (layer 3, FLAT).memory: shared_memory, but components[0].layer_buffers[0] " \
-           "(layer 2, FLAT) is cuda_ipc" in error.message
+           "(layer 2, FLAT) is cuda_ipc" in error.reason
 
 
 def test_broker_owned_buffers_must_not_name_memory():
     error = refusal(validate_spec, spec(index_k(cuda_buf(2)), allocation=BrokerAllocation(0)), 1 << 20)
-    assert "(layer 2, FLAT).memory: must be unset with MEMORY_OWNERSHIP_BROKER" in error.message
+    assert "(layer 2, FLAT).memory: must be unset with MEMORY_OWNERSHIP_BROKER" in error.reason
 
 
 def test_broker_owned_pool_device_must_be_plausible():
     error = refusal(validate_spec, spec(index_k(pooled_buf(2)), allocation=BrokerAllocation(1000)), 1 << 20)
-    assert error.code is Code.INVALID_ARGUMENT and error.message.startswith("allocation_device: 1000")
+    assert error.code is Code.INVALID_ARGUMENT and error.reason.startswith("allocation_device: 1000")
 
 
 def test_pool_plan_aligns_every_buffer_and_the_end():
@@ -173,14 +173,14 @@ def test_cuda_ref_on_a_broker_without_cuda_is_refused_naming_the_field():
     error = refusal(Registry(1 << 20, gpu=GpuMemory(no_cuda)).build, spec(index_k(cuda_buf(2))))
     assert error.code is Code.INVALID_ARGUMENT
     assert f"{AT}: this broker has no CUDA support; use shared_memory (libcuda.so.1 cannot be loaded" \
-        in error.message
+        in error.reason
 
 
 def test_broker_owned_pool_on_a_broker_without_cuda_is_refused():
     error = refusal(Registry(1 << 20, gpu=GpuMemory(no_cuda)).build,
                     spec(index_k(pooled_buf(2)), allocation=BrokerAllocation(0)))
     assert error.code is Code.INVALID_ARGUMENT
-    assert error.message.startswith("memory_ownership: MEMORY_OWNERSHIP_BROKER: this broker has no CUDA support")
+    assert error.reason.startswith("memory_ownership: MEMORY_OWNERSHIP_BROKER: this broker has no CUDA support")
 
 
 def test_the_driver_is_loaded_once_even_when_it_is_missing():
@@ -199,7 +199,7 @@ def test_the_driver_is_loaded_once_even_when_it_is_missing():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a broker on a machine without CUDA")
 def test_this_machine_has_no_cuda_and_says_why():
     error = refusal(Registry(1 << 20).build, spec(index_k(cuda_buf(2))))
-    assert "this broker has no CUDA support; use shared_memory (" in error.message
+    assert "this broker has no CUDA support; use shared_memory (" in error.reason
 
 
 # -- imported allocations ------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def test_overlapping_regions_of_one_allocation_are_refused_across_engines(regist
     error = refusal(registry.build, spec(index_k(cuda_buf(2, offset=512)), engine_id="b"))
     assert error.code is Code.INVALID_ARGUMENT
     assert "overlaps components[0].layer_buffers[0] (layer 2, FLAT) of engine 'a' in CUDA allocation 0102030405060708"\
-        in error.message
+        in error.reason
 
 
 def test_same_offsets_in_different_allocations_do_not_overlap(registry, driver):
@@ -268,31 +268,31 @@ def test_an_allocation_smaller_than_declared_is_refused_and_closed(registry, dri
     error = refusal(registry.build, spec(index_k(cuda_buf(2, allocation_size=2 << 20))))
     assert error.code is Code.INVALID_ARGUMENT
     assert f"{AT}.allocation_size: 2097152 bytes declared, but the allocation of this handle has 1048576" \
-        in error.message
+        in error.reason
     assert driver.open_now == 0 and registry._gpu.imports == []
 
 
 def test_a_device_the_broker_numbers_differently_is_refused(registry, driver):
     error = refusal(registry.build, spec(index_k(cuda_buf(2, handle=HANDLE_B, device=0))))
-    assert f"{AT}.device: declared 0, but the allocation is on device 1" in error.message
+    assert f"{AT}.device: declared 0, but the allocation is on device 1" in error.reason
     assert driver.open_now == 0
 
 
 def test_a_device_the_broker_does_not_have_is_refused(driver):
     registry = Registry(1 << 20, gpu=GpuMemory(lambda: FakeDriver(device_count=1)))
     error = refusal(registry.build, spec(index_k(cuda_buf(2, handle=HANDLE_B, device=1))))
-    assert f"{AT}.device: 1 is not a CUDA device of this broker, which sees 1" in error.message
+    assert f"{AT}.device: 1 is not a CUDA device of this broker, which sees 1" in error.reason
 
 
 def test_a_handle_the_driver_cannot_open_is_refused_with_its_word(registry):
     error = refusal(registry.build, spec(index_k(cuda_buf(2, handle=b"\x09" * 64))))
     assert error.code is Code.INVALID_ARGUMENT
-    assert f"{AT}.handle: the CUDA driver cannot open it (CUDA_ERROR_INVALID_VALUE)" in error.message
+    assert f"{AT}.handle: the CUDA driver cannot open it (CUDA_ERROR_INVALID_VALUE)" in error.reason
 
 
 def test_a_refusal_after_opening_closes_what_was_opened(registry, driver):
     error = refusal(registry.build, spec(index_k(cuda_buf(2), cuda_buf(3, handle=b"\x09" * 64))))
-    assert "layer_buffers[1]" in error.message
+    assert "layer_buffers[1]" in error.reason
     assert driver.open_now == 0 and registry._gpu.imports == []
 
 
@@ -328,13 +328,13 @@ def test_the_registration_reply_of_a_broker_owned_engine_carries_the_pool_handle
 def test_broker_owned_pool_out_of_memory_is_resource_exhausted(registry, driver):
     driver.out_of_memory = True
     error = refusal(registry.build, spec(index_k(pooled_buf(2)), allocation=BrokerAllocation(0)))
-    assert error.code is Code.RESOURCE_EXHAUSTED and "CUDA_ERROR_OUT_OF_MEMORY" in error.message
+    assert error.code is Code.RESOURCE_EXHAUSTED and "CUDA_ERROR_OUT_OF_MEMORY" in error.reason
 
 
 def test_broker_owned_pool_on_a_device_the_broker_lacks_is_refused(registry, driver):
     error = refusal(registry.build, spec(index_k(pooled_buf(2)), allocation=BrokerAllocation(5)))
     assert error.code is Code.INVALID_ARGUMENT
-    assert "MEMORY_OWNERSHIP_BROKER: 5 is not a CUDA device of this broker, which sees 2" in error.message
+    assert "MEMORY_OWNERSHIP_BROKER: 5 is not a CUDA device of this broker, which sees 2" in error.reason
     assert driver.pools == {}
 
 
@@ -372,12 +372,12 @@ def test_memory_ownership_is_read_with_unspecified_as_server(ownership, expected
 
 def test_allocation_device_without_broker_ownership_is_refused():
     error = refusal(convert.engine_spec_in, register_request(allocation_device=1))
-    assert error.message.startswith("allocation_device: 1 is set, but only MEMORY_OWNERSHIP_BROKER allocates")
+    assert error.reason.startswith("allocation_device: 1 is set, but only MEMORY_OWNERSHIP_BROKER allocates")
 
 
 def test_unknown_memory_ownership_is_refused():
     error = refusal(convert.engine_spec_in, register_request(memory_ownership=9))
-    assert error.code is Code.INVALID_ARGUMENT and error.message.startswith("memory_ownership: ")
+    assert error.code is Code.INVALID_ARGUMENT and error.reason.startswith("memory_ownership: ")
 
 
 def test_engine_info_says_who_owns_the_memory():
@@ -409,7 +409,7 @@ def test_a_peer_that_does_not_say_the_memory_kind_is_host_memory():
 
 def test_a_peer_engine_mixing_memory_kinds_is_refused():
     error = refusal(convert.engine_layout_in, peer_engine(pb.MEMORY_KIND_HOST, pb.MEMORY_KIND_GPU))
-    assert "mix host and GPU memory" in error.message
+    assert "mix host and GPU memory" in error.reason
 
 
 # -- descriptors and the engines' memory kinds ---------------------------------------------------

@@ -5,6 +5,7 @@ tests' (tests/integration), with real brokers and engines."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -39,6 +40,9 @@ class FakeBackend(Backend):
     async def close(self) -> None: ...
 
 
+PEER = SimpleNamespace(address="127.0.0.1:50052", broker_id="decode-1", epoch=3, handshakes=2)
+
+
 class FakePeers:
     """A PeerLink that records what the domain asked of its peers; sessions never come."""
 
@@ -68,6 +72,8 @@ class FakePeers:
         self.notices.append((address, notice))
         return PartAck(TransferState.FAILED)
 
+    records = {"127.0.0.1:50052": PEER}
+
 
 @pytest.fixture
 async def domain():
@@ -87,7 +93,7 @@ async def test_an_unknown_engine_is_not_found_before_any_page_list_is_converted(
     for call in (broker.transfer("nope", never, None), broker.expect_transfer("nope", never)):
         with pytest.raises(BrokerError) as info:
             await call
-        assert info.value.code is Code.NOT_FOUND and "nope" in info.value.message
+        assert info.value.code is Code.NOT_FOUND and "nope" in info.value.reason
     assert refusal(broker.claim, DECODE, "nope", "r1", never).code is Code.NOT_FOUND
     assert refusal(broker.receive_offer, DECODE, "nope", 4, never, 3).code is Code.NOT_FOUND
 
@@ -96,14 +102,14 @@ async def test_a_handshake_for_another_backend_names_the_rule(domain):
     broker, _ = domain
     with pytest.raises(BrokerError) as info:
         await broker.handshake("nixl", "e0")
-    assert info.value.code is Code.FAILED_PRECONDITION and "backend: caller uses 'nixl'" in info.value.message
+    assert info.value.code is Code.FAILED_PRECONDITION and "backend: caller uses 'nixl'" in info.value.reason
 
 
 def grant_offer(request_id="r1", token=TOKEN) -> GrantOffer:
     return GrantOffer("127.0.0.1:2", "d0", request_id, "", {Component.MAIN_KV: np.arange(4)}, 30.0, token, 1)
 
 
-async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_token(domain):
+async def test_an_offer_is_held_handshaken_ahead_and_revoked_only_with_its_token(domain):
     broker, peers = domain
     broker.receive_offer(DECODE, "", 4, lambda max_pages: grant_offer(), 3)
     offer = broker.offers.book.by_receiver("decode-1", "d0", "r1")
@@ -114,10 +120,10 @@ async def test_an_offer_is_held_handshaken_ahead_and_withdrawn_only_with_its_tok
         await broker.revoke_offer(DECODE, "d0", "r1", "cd" * 16, int(Code.CANCELLED), "no", 1.0)
     assert info.value.code is Code.PERMISSION_DENIED and offer.ended is None
     assert await broker.revoke_offer(DECODE, "d0", "r1", TOKEN, int(Code.CANCELLED), "changed my mind", 1.0)
-    assert offer.withdrawn and "changed my mind" in offer.ended.message
+    assert offer.revoked and "changed my mind" in offer.ended.reason
 
 
-async def test_the_drain_withdraws_held_offers_and_tells_each_receiver(domain):
+async def test_the_drain_ends_held_offers_and_tells_each_receiver(domain):
     broker, peers = domain
     broker.receive_offer(DECODE, "", 4, lambda max_pages: grant_offer("r2"), 3)
     await broker.drain(grace_s=0.1)
@@ -125,6 +131,13 @@ async def test_the_drain_withdraws_held_offers_and_tells_each_receiver(domain):
     assert address == "127.0.0.1:2" and notice.request_id == "r2" and not notice.succeeded
     assert notice.code == Code.UNAVAILABLE and "shut down" in notice.reason
     assert refusal(broker.receive_offer, DECODE, "", 4, lambda max_pages: grant_offer("r3"), 3).code is Code.UNAVAILABLE
+
+
+async def test_the_broker_info_names_the_peers_its_peer_link_knows(domain):
+    broker, _ = domain
+    info = broker.info()
+    assert info.peers == [PEER]
+    assert (info.broker_id, info.epoch, info.peer_address) == ("prefill-1", 7, "127.0.0.1:1")
 
 
 async def test_a_notice_for_a_grant_this_broker_does_not_hold_is_not_found(domain):
@@ -146,9 +159,9 @@ async def test_a_job_out_of_time_fails_with_whose_deadline_it_was(caller_bound, 
     job = SendJob("e0", None, 2.0, caller_bound, 0.0)
     cancelled = BrokerError(Code.CANCELLED, "cancelled")
     error = failure(TimeoutError(), job, "transfer", "r1", cancelled)
-    assert error.code is code and "transfer did not complete within 2.000s" in error.message
+    assert error.code is code and "transfer did not complete within 2.000s" in error.reason
     assert failure(asyncio.CancelledError(), job, "transfer", "r1", cancelled) is cancelled
     refused = BrokerError(Code.PERMISSION_DENIED, "no")
     assert failure(refused, job, "transfer", "r1", cancelled) is refused
     bug = failure(KeyError("x"), job, "transfer", "r1", cancelled)
-    assert bug.code is Code.INTERNAL and "KeyError" in bug.message
+    assert bug.code is Code.INTERNAL and "KeyError" in bug.reason

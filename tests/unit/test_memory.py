@@ -90,7 +90,7 @@ def test_a_fault_inside_a_shrunk_segment_is_absorbed_and_poisons_it():
         try:
             seg.check_intact()
         except Exception as exc:
-            print(exc.code.name, exc.message)
+            print(exc.code.name, exc.reason)
         touch(seg.address, 1 << 20)  # the whole mapping is zero pages now: no fault
         seg.close()
         print("alive")
@@ -168,7 +168,7 @@ def test_check_intact_refuses_a_segment_shrunk_below_its_registered_buffers(segm
         seg.close()
     assert info.value.code is Code.FAILED_PRECONDITION
     assert (f"shared-memory segment {segment.name!r} was shrunk after registration: 16383 bytes now, and the "
-            "registered buffers reach byte 16384") in info.value.message
+            "registered buffers reach byte 16384") in info.value.reason
 
 
 def test_check_segments_names_the_engine(segment):
@@ -181,7 +181,7 @@ def test_check_segments_names_the_engine(segment):
     finally:
         seg.close()
     assert info.value.code is Code.FAILED_PRECONDITION
-    assert info.value.message.startswith(f"engine 'decode-0/tp0': shared-memory segment {segment.name!r} was shrunk")
+    assert info.value.reason.startswith(f"engine 'decode-0/tp0': shared-memory segment {segment.name!r} was shrunk")
 
 
 def test_reserve_allocates_what_the_server_did_not_and_says_so(sparse, caplog):
@@ -228,8 +228,8 @@ def test_a_reservation_the_kernel_refuses_names_the_field_and_the_segment(sparse
     finally:
         seg.close()
     assert info.value.code is code
-    assert info.value.message.startswith("components[0].layer_buffers[0].memory.shared_memory: ")
-    assert words in info.value.message and sparse.name in info.value.message
+    assert info.value.reason.startswith("components[0].layer_buffers[0].memory.shared_memory: ")
+    assert words in info.value.reason and sparse.name in info.value.reason
 
 
 def test_a_filesystem_without_fallocate_is_mapped_unreserved(sparse, monkeypatch):
@@ -265,7 +265,7 @@ def test_a_segment_that_is_not_a_regular_file_is_refused():
             map_shared_memory(path.name, "name")
     finally:
         path.unlink()
-    assert info.value.code is Code.INVALID_ARGUMENT and "is not a regular file" in info.value.message
+    assert info.value.code is Code.INVALID_ARGUMENT and "is not a regular file" in info.value.reason
 
 
 def test_segment_identity_is_the_file_not_the_name(segment):
@@ -316,7 +316,7 @@ def test_a_hard_link_to_another_engines_segment_is_an_overlap(registry, segment)
     assert info.value.code is Code.INVALID_ARGUMENT
     assert (f"components[0].layer_buffers[0] (layer 2, FLAT).memory: overlaps components[0].layer_buffers[0] "
             f"(layer 2, FLAT) of engine 'a' in segment {link.name!r} (the same file as segment {segment.name!r}: "
-            "a hard link) ([512, 1536) and [0, 1024))") == info.value.message
+            "a hard link) ([512, 1536) and [0, 1024))") == info.value.reason
 
 
 def test_a_name_pointed_at_another_engines_file_after_the_check_is_refused_when_added(registry, segment):
@@ -332,7 +332,7 @@ def test_a_name_pointed_at_another_engines_file_after_the_check_is_refused_when_
                 registry.add(engine)
         finally:
             engine.release()
-    assert info.value.code is Code.INVALID_ARGUMENT and "of engine 'a'" in info.value.message
+    assert info.value.code is Code.INVALID_ARGUMENT and "of engine 'a'" in info.value.reason
     assert "b" not in registry
 
 
@@ -344,5 +344,5 @@ def test_a_segment_the_guard_cannot_watch_is_refused_and_left_unmapped(segment, 
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(BrokerError) as info:
         map_shared_memory(segment.name, "components[0].layer_buffers[0].memory.shared_memory.name")
-    assert info.value.code is Code.RESOURCE_EXHAUSTED and "at most 16384" in info.value.message
+    assert info.value.code is Code.RESOURCE_EXHAUSTED and "at most 16384" in info.value.reason
     assert len(os.listdir("/proc/self/fd")) == fds

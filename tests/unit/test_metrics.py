@@ -50,7 +50,7 @@ def observed():
 def test_a_succeeded_send_counts_per_component_with_its_bytes(observed):
     metrics, clock, table = observed
     metrics.engine_added(engine())
-    record = table.add_send("prefill-0/tp0", "r1", (MAIN_KV, INDEX_K), peer="decode:50052")
+    record = table.add_send("prefill-0/tp0", "r1", (MAIN_KV, INDEX_K), receiver_address="decode:50052")
     clock.now += 0.25
     table.start(record)
     clock.now += 0.5

@@ -51,10 +51,10 @@ async def test_an_offer_after_the_taker_gave_up_is_refused_once():
     book = OfferBook(8)
     with pytest.raises(BrokerError) as info:
         await book.take("r1", "prefill/e0", timeout=0.01)
-    assert info.value.code is Code.NOT_FOUND and "offer_wait_s" in info.value.message
+    assert info.value.code is Code.NOT_FOUND and "offer_wait_s" in info.value.reason
     with pytest.raises(BrokerError) as late:
         book.add(offer())
-    assert late.value.code is Code.FAILED_PRECONDITION and "gave up" in late.value.message
+    assert late.value.code is Code.FAILED_PRECONDITION and "gave up" in late.value.reason
     book.add(offer())  # the note is spent: a retry of the request is offered normally
 
 
@@ -66,7 +66,7 @@ async def test_bounds_and_duplicates():
     assert dup.value.code is Code.ALREADY_EXISTS
     with pytest.raises(BrokerError) as full:
         book.add(offer("r2"))
-    assert full.value.code is Code.RESOURCE_EXHAUSTED and "max_offers" in full.value.message
+    assert full.value.code is Code.RESOURCE_EXHAUSTED and "max_offers" in full.value.reason
 
 
 async def test_expiry_ends_the_offer_and_tells_the_owner():
@@ -85,11 +85,11 @@ async def test_parts_are_numbered_and_nothing_follows_the_last():
     assert held.begin_part(last=False) == 0 and held.begin_part(last=True) == 1
     with pytest.raises(BrokerError) as info:
         held.begin_part(last=False)
-    assert "last part (part 1)" in info.value.message
-    assert not held.quiet.is_set()
+    assert "last part (part 1)" in info.value.reason
+    assert not held.quiesced.is_set()
     held.end_part()
     held.end_part()
-    assert held.quiet.is_set() and held.done
+    assert held.quiesced.is_set() and held.done
 
 
 async def test_close_wakes_a_waiting_taker_with_unavailable():
@@ -112,7 +112,7 @@ async def test_two_receivers_offers_of_one_request_id_are_kept_apart():
     assert info.value.code is Code.ALREADY_EXISTS  # the same receiver's offer naming no engine covers it
     with pytest.raises(BrokerError) as ambiguous:
         book.find("r1", "prefill/e0")
-    assert ambiguous.value.code is Code.FAILED_PRECONDITION and "receiver_broker_id" in ambiguous.value.message
+    assert ambiguous.value.code is Code.FAILED_PRECONDITION and "receiver_broker_id" in ambiguous.value.reason
     assert await book.take("r1", "prefill/e0", timeout=0, receiver_id="decode-real") is real
     assert book.rivals(real) == [squat]
     book.end(squat, BrokerError(Code.FAILED_PRECONDITION, "lost"))
@@ -127,11 +127,11 @@ async def test_quotas_per_receiver_and_in_total_name_their_setting():
     for pages, name in ((3, "max_offer_pages_per_peer"), (2, "max_offer_bytes_per_peer")):
         with pytest.raises(BrokerError) as info:
             book.admit("p", pages)
-        assert info.value.code is Code.RESOURCE_EXHAUSTED and f"({name})" in info.value.message
+        assert info.value.code is Code.RESOURCE_EXHAUSTED and f"({name})" in info.value.reason
     book.add(offer("b", receiver="q", pages=6))
     with pytest.raises(BrokerError) as total:
         book.add(offer("c", receiver="r", pages=1))
-    assert "(max_offer_pages)" in total.value.message and book.held() == (2, 10, offer_bytes(4) + offer_bytes(6))
+    assert "(max_offer_pages)" in total.value.reason and book.held() == (2, 10, offer_bytes(4) + offer_bytes(6))
     book.end(book.find("b", "e", "q"), BrokerError(Code.CANCELLED, "gone"))
     assert book.held("q") == (0, 0, 0)
     book.add(offer("c", receiver="r", pages=1))  # room again once one ended
@@ -143,10 +143,10 @@ def test_peer_calls_are_bounded_per_identity_and_in_total():
     calls.enter("a")
     with pytest.raises(BrokerError) as mine:
         calls.enter("a")
-    assert mine.value.code is Code.RESOURCE_EXHAUSTED and "max_peer_calls_per_peer" in mine.value.message
+    assert mine.value.code is Code.RESOURCE_EXHAUSTED and "max_peer_calls_per_peer" in mine.value.reason
     calls.enter("b")
     with pytest.raises(BrokerError) as total:
         calls.enter("c")
-    assert "(max_peer_calls)" in total.value.message
+    assert "(max_peer_calls)" in total.value.reason
     calls.leave("a")
     calls.enter("c")

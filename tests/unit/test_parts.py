@@ -67,19 +67,19 @@ def test_overlapping_an_earlier_part_is_refused_and_names_the_entry():
     coverage = fresh(grant)
     coverage.mark(MAIN, 0, 4)
     error = refusal(plan_part, SRC, DST, grant, coverage, [PartPages(MAIN, np.arange(2), 3)], last=False)
-    assert error.code is Code.FAILED_PRECONDITION and "entry 3" in error.message and "page 13" in error.message
+    assert error.code is Code.FAILED_PRECONDITION and "entry 3" in error.reason and "page 13" in error.reason
 
 
 def test_a_component_outside_the_grant_is_permission_denied():
     grant = {MAIN: np.arange(4)}
     error = refusal(plan_part, SRC, DST, grant, fresh(grant), [PartPages(INDEX, np.arange(2), 0)], last=True)
-    assert error.code is Code.PERMISSION_DENIED and "MINIMAX_INDEX_K is not in the grant" in error.message
+    assert error.code is Code.PERMISSION_DENIED and "MINIMAX_INDEX_K is not in the grant" in error.reason
 
 
 def test_the_last_part_must_send_dense_kv_whole():
     grant = granted()
     error = refusal(plan_part, SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.arange(8), 0)], last=True)
-    assert "rule dense-kv-length" in error.message and "none of its 8" in error.message
+    assert "rule dense-kv-length" in error.reason and "none of its 8" in error.reason
     plan = plan_part(SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.arange(8), 0),
                                                      PartPages(DENSE, np.arange(8), 0)], last=True)
     assert plan.pages == 16
@@ -89,15 +89,15 @@ def test_dense_kv_on_a_part_with_more_parts_is_refused():
     grant = granted()
     error = refusal(plan_part, SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.arange(4), 0),
                                                                PartPages(DENSE, np.arange(8), 0)], last=False)
-    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
-    assert "more_parts" in error.message
+    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.reason
+    assert "more_parts" in error.reason
 
 
 def test_a_receiver_page_beyond_its_engine_is_invalid_argument_as_in_the_claimed_flow():
     grant = {MAIN: np.array([3, NUM_PAGES + 1])}
     error = refusal(check_grant_inside, DST, grant, [MAIN], 1 << 20)
     assert error.code is Code.INVALID_ARGUMENT
-    assert f"granted MAIN_KV pages[1]: page id {NUM_PAGES + 1} is out of range [0, {NUM_PAGES})" in error.message
+    assert f"granted MAIN_KV pages[1]: page id {NUM_PAGES + 1} is out of range [0, {NUM_PAGES})" in error.reason
     check_grant_inside(DST, {MAIN: np.array([0, NUM_PAGES - 1])}, [MAIN], 1 << 20)
 
 
@@ -120,17 +120,17 @@ def test_landing_completes_when_every_part_up_to_the_last_landed():
 def test_landing_refuses_a_notice_that_cannot_be_true(notice, words):
     landing = Landing(granted(), max_parts=16)
     error = refusal(landing.land, *notice)
-    assert words in error.message
+    assert words in error.reason
     assert landing.pages == 0 and not landing.parts
 
 
 def test_landing_refuses_a_repeated_part_and_an_overlap():
     landing = Landing(granted(), max_parts=16)
     landing.land(0, 0, [Landed(MAIN, 0, 4)])
-    assert "reported already" in refusal(landing.land, 0, 0, [Landed(MAIN, 4, 1)]).message
-    assert "earlier part" in refusal(landing.land, 1, 0, [Landed(MAIN, 3, 2)]).message
+    assert "reported already" in refusal(landing.land, 0, 0, [Landed(MAIN, 4, 1)]).reason
+    assert "earlier part" in refusal(landing.land, 1, 0, [Landed(MAIN, 3, 2)]).reason
     landing.land(1, 2, [Landed(MAIN, 4, 1)])
-    assert "the request has 2 parts" in refusal(landing.land, 2, 0, []).message
+    assert "the request has 2 parts" in refusal(landing.land, 2, 0, []).reason
 
 
 def test_landed_bytes_come_from_the_receivers_item_len():

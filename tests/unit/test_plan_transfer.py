@@ -62,7 +62,7 @@ def test_a_destination_page_beyond_the_receivers_pages_writes_nothing():
     with pytest.raises(BrokerError) as info:
         plan_transfer(engine(0), engine(1 << 31, num_pages=8), (MAIN,), ids(0, 1), ids(3, 8), max_pages=1 << 20)
     assert info.value.code is Code.INVALID_ARGUMENT
-    assert "dst_page_ids[1]: page id 8 is out of range [0, 8)" in info.value.message
+    assert "dst_page_ids[1]: page id 8 is out of range [0, 8)" in info.value.reason
 
 
 def test_a_component_the_receiver_did_not_register_is_a_failed_precondition():

@@ -49,7 +49,7 @@ def test_a_valid_spec_passes():
 
 def test_index_with_value_is_unimplemented():
     error = refusal(spec(ComponentSpec(Component.MINIMAX_INDEX_KV, Layout.FLAT, 16, (buf(2),))))
-    assert error.code is Code.UNIMPLEMENTED and "MINIMAX_INDEX_KV" in error.message
+    assert error.code is Code.UNIMPLEMENTED and "MINIMAX_INDEX_KV" in error.reason
 
 
 @pytest.mark.parametrize("bad, words", [
@@ -76,7 +76,7 @@ def test_index_with_value_is_unimplemented():
 def test_bad_specs_are_invalid_argument_naming_the_field(bad, words):
     error = refusal(bad)
     assert error.code is Code.INVALID_ARGUMENT
-    assert words in error.message
+    assert words in error.reason
 
 
 @pytest.fixture
@@ -95,18 +95,18 @@ def test_missing_segment_is_invalid_argument():
     error = build_refusal(Registry(1 << 20), spec(index_k(buf(2, name="kvbt-no-such-segment"))))
     assert error.code is Code.INVALID_ARGUMENT
     assert "(layer 2, FLAT).memory.shared_memory.name: shared-memory segment 'kvbt-no-such-segment' not found" \
-        in error.message
+        in error.reason
 
 
 def test_region_past_the_segment_end_is_invalid_argument(segment):
     error = build_refusal(Registry(1 << 20), spec(index_k(buf(2, name=segment.name, offset=8000))))
-    assert "offset 8000 + length 1024 exceeds segment" in error.message
+    assert "offset 8000 + length 1024 exceeds segment" in error.reason
 
 
 def test_overlapping_regions_in_one_engine_are_invalid_argument(segment):
     error = build_refusal(Registry(1 << 20), spec(index_k(buf(2, name=segment.name), buf(3, name=segment.name,
                                                                                         offset=512))))
-    assert error.code is Code.INVALID_ARGUMENT and "overlaps" in error.message and "(layer 3, FLAT)" in error.message
+    assert error.code is Code.INVALID_ARGUMENT and "overlaps" in error.reason and "(layer 3, FLAT)" in error.reason
 
 
 def test_overlap_with_another_engine_is_invalid_argument(segment):
@@ -114,7 +114,7 @@ def test_overlap_with_another_engine_is_invalid_argument(segment):
     first = registry.build(spec(index_k(buf(2, name=segment.name)), engine_id="a"))
     registry.add(first)
     error = build_refusal(registry, spec(index_k(buf(2, name=segment.name, offset=1000)), engine_id="b"))
-    assert "of engine 'a'" in error.message
+    assert "of engine 'a'" in error.reason
     first.release()
 
 

@@ -39,7 +39,7 @@ def engine(topo=BASE, item_len=64, layers=(2, 3), layout=Layout.FLAT, kinds=(IND
 
 def test_index_with_value_is_unimplemented():
     error = refusal(topology.reject_index_with_value, Component.MINIMAX_INDEX_KV)
-    assert error.code is Code.UNIMPLEMENTED and "rule index-with-value" in error.message
+    assert error.code is Code.UNIMPLEMENTED and "rule index-with-value" in error.reason
     topology.reject_index_with_value(INDEX)
 
 
@@ -49,7 +49,7 @@ def test_index_k_refuses_pp_above_one_on_either_side(side):
     args = (INDEX, pp, BASE) if side == "src" else (INDEX, BASE, pp)
     error = refusal(topology.check_no_pipeline_parallel, *args)
     assert error.code is Code.FAILED_PRECONDITION
-    assert "PP>1 not supported for MiniMax sparse index" in error.message and "rule index-k-pp" in error.message
+    assert "PP>1 not supported for MiniMax sparse index" in error.reason and "rule index-k-pp" in error.reason
 
 
 def test_pp_rule_leaves_main_kv_alone():
@@ -58,7 +58,7 @@ def test_pp_rule_leaves_main_kv_alone():
 
 def test_index_k_refuses_heterogeneous_attention_tp():
     error = refusal(topology.check_homogeneous_attention_tp, INDEX, BASE, dataclasses.replace(BASE, attn_tp_size=4))
-    assert error.code is Code.FAILED_PRECONDITION and "heterogeneous TP" in error.message
+    assert error.code is Code.FAILED_PRECONDITION and "heterogeneous TP" in error.reason
     topology.check_homogeneous_attention_tp(MAIN, BASE, dataclasses.replace(BASE, attn_tp_size=4))
 
 
@@ -66,30 +66,30 @@ def test_index_k_refuses_heterogeneous_attention_tp():
     (dict(page_size=32), "page_size differs"), (dict(kv_dtype=KvDtype.FLOAT8_E4M3), "kv_dtype differs")])
 def test_cache_shape_must_match(change, words):
     error = refusal(topology.check_same_cache_shape, BASE, dataclasses.replace(BASE, **change))
-    assert error.code is Code.FAILED_PRECONDITION and words in error.message and "rule same-shape" in error.message
+    assert error.code is Code.FAILED_PRECONDITION and words in error.reason and "rule same-shape" in error.reason
 
 
 def test_layout_must_match():
     error = refusal(topology.check_same_component_layout, engine(kinds=(MAIN,)).components[MAIN],
                     engine(kinds=(MAIN,), layout=Layout.KV_SPLIT).components[MAIN])
-    assert "layout differs" in error.message
+    assert "layout differs" in error.reason
 
 
 def test_layer_ids_must_match():
     error = refusal(topology.check_same_component_layout, engine().components[INDEX],
                     engine(layers=(2,)).components[INDEX])
-    assert "layer ids differ" in error.message and "[2, 3]" in error.message
+    assert "layer ids differ" in error.reason and "[2, 3]" in error.reason
 
 
 def test_item_len_must_match():
     error = refusal(topology.check_same_component_layout, engine().components[INDEX],
                     engine(item_len=128).components[INDEX])
-    assert "layer 2 FLAT item_len differs (sender 64, receiver 128)" in error.message
+    assert "layer 2 FLAT item_len differs (sender 64, receiver 128)" in error.reason
 
 
 def test_check_transfer_names_a_missing_component():
     error = refusal(topology.check_transfer, engine(kinds=(INDEX, MAIN)), engine(), [MAIN])
-    assert "MAIN_KV is not registered by receiver" in error.message
+    assert "MAIN_KV is not registered by receiver" in error.reason
 
 
 def test_check_transfer_accepts_matching_engines():
@@ -108,16 +108,16 @@ DENSE = Component.MINIMAX_DENSE_KV
 
 def test_dense_kv_refuses_pp_above_one_and_heterogeneous_attention_tp():
     error = refusal(topology.check_no_pipeline_parallel, DENSE, BASE, dataclasses.replace(BASE, pp_size=2))
-    assert "rule dense-kv-pp" in error.message and "MiniMax dense KV" in error.message
+    assert "rule dense-kv-pp" in error.reason and "MiniMax dense KV" in error.reason
     error = refusal(topology.check_homogeneous_attention_tp, DENSE, BASE, dataclasses.replace(BASE, attn_tp_size=2))
-    assert "rule dense-kv-attn-tp" in error.message and error.code is Code.FAILED_PRECONDITION
+    assert "rule dense-kv-attn-tp" in error.reason and error.code is Code.FAILED_PRECONDITION
 
 
 def test_dense_kv_part_needs_equal_lengths():
     granted = np.arange(10, 16)
     error = refusal(topology.part_pages, DENSE, np.arange(5), granted, 0, last=True)
-    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
-    assert "sender 5 from dst_offset 0, receiver 6" in error.message
+    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.reason
+    assert "sender 5 from dst_offset 0, receiver 6" in error.reason
     whole = topology.part_pages(DENSE, np.arange(6), granted, 0, last=True)
     assert whole.dst.tolist() == granted.tolist()
 
@@ -125,10 +125,10 @@ def test_dense_kv_part_needs_equal_lengths():
 def test_dense_kv_moves_with_the_last_part_only_and_from_its_first_entry():
     granted = np.arange(10, 16)
     error = refusal(topology.part_pages, DENSE, np.arange(6), granted, 0, last=False)
-    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.message
-    assert "more_parts" in error.message
+    assert error.code is Code.FAILED_PRECONDITION and "rule dense-kv-length" in error.reason
+    assert "more_parts" in error.reason
     error = refusal(topology.part_pages, DENSE, np.arange(4), granted, 2, last=True)
-    assert "rule dense-kv-length" in error.message and "from dst_offset 2" in error.message
+    assert "rule dense-kv-length" in error.reason and "from dst_offset 2" in error.reason
 
 
 @pytest.mark.parametrize("n_src, offset, n_dst", [(5, 1, 3), (2, 1, 2), (3, 0, 3)])
@@ -148,5 +148,5 @@ def test_main_kv_part_lands_on_the_next_entries_and_drops_what_runs_past_the_end
 
 def test_a_part_past_the_end_of_the_grant_is_refused():
     error = refusal(topology.part_pages, MAIN, np.arange(2), np.arange(4), 4, last=False)
-    assert error.code is Code.PERMISSION_DENIED and "rule part-in-grant" in error.message
+    assert error.code is Code.PERMISSION_DENIED and "rule part-in-grant" in error.reason
     assert topology.part_pages(MAIN, np.arange(0), np.arange(4), 4, last=False).dst.size == 0

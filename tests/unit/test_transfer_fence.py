@@ -14,7 +14,8 @@ import numpy as np
 from kvbroker.core.errors import Code
 from kvbroker.core.model import Component, TransferState
 from kvbroker.core.parts import Landing
-from kvbroker.flows.transfers import OfferedGrant, TransferTable
+from kvbroker.flows.records import OfferedGrant
+from kvbroker.flows.transfers import TransferTable
 
 MAIN_KV = Component.MAIN_KV
 WAIT_S = 5.0

@@ -16,8 +16,8 @@ def test_under_mutual_tls_the_broker_id_must_be_a_name_of_the_certificate():
     with pytest.raises(BrokerError) as info:
         gate.identify("decode-3", CERT)
     assert info.value.code is Code.PERMISSION_DENIED
-    assert "'decode-3' is not a name of the peer's certificate" in info.value.message
-    assert "prefill-0.kvbroker.svc" in info.value.message
+    assert "'decode-3' is not a name of the peer's certificate" in info.value.reason
+    assert "prefill-0.kvbroker.svc" in info.value.reason
 
 
 def test_a_certificate_without_names_proves_no_broker_id():

@@ -37,7 +37,7 @@ def test_grant_pages_are_checked_against_each_components_own_pages():
     granted = check_grant_pages(LAYOUT, [(MAIN, ids(0, 31)), (INDEX, ids(7))], "pages", 1 << 20)
     assert list(granted) == [MAIN, INDEX]
     error = refusal(check_grant_pages, LAYOUT, [(MAIN, ids(0)), (INDEX, ids(8))], "pages", 1 << 20)
-    assert error.code is Code.INVALID_ARGUMENT and "pages[1].page_ids (MINIMAX_INDEX_K)[0]: page id 8" in error.message
+    assert error.code is Code.INVALID_ARGUMENT and "pages[1].page_ids (MINIMAX_INDEX_K)[0]: page id 8" in error.reason
 
 
 @pytest.mark.parametrize("pages, code, words", [
@@ -50,7 +50,7 @@ def test_grant_pages_are_checked_against_each_components_own_pages():
 ])
 def test_bad_grant_pages(pages, code, words):
     error = refusal(check_grant_pages, LAYOUT, pages, "pages", 1 << 20)
-    assert error.code is code and words in error.message
+    assert error.code is code and words in error.reason
 
 
 def test_a_grant_list_over_the_request_limit_is_resource_exhausted():
@@ -62,14 +62,14 @@ def test_part_pages_may_be_empty_per_component_but_stay_inside_the_sending_engin
     check_part_pages(LAYOUT, [(MAIN, ids(), 0), (INDEX, ids(3), 2)], "pages", 1 << 20)
     check_part_pages(LAYOUT, [], "pages", 1 << 20)
     error = refusal(check_part_pages, LAYOUT, [(INDEX, ids(9), 0)], "pages", 1 << 20)
-    assert "pages[0].src_page_ids (MINIMAX_INDEX_K)[0]: page id 9" in error.message
+    assert "pages[0].src_page_ids (MINIMAX_INDEX_K)[0]: page id 9" in error.reason
 
 
 def test_aux_is_for_the_last_part_and_bounded():
     check_aux(b"x" * 16, last=True, max_aux_bytes=16)
     assert refusal(check_aux, b"x", last=False, max_aux_bytes=16).code is Code.INVALID_ARGUMENT
     error = refusal(check_aux, b"x" * 17, last=True, max_aux_bytes=16)
-    assert error.code is Code.RESOURCE_EXHAUSTED and "max_aux_bytes" in error.message
+    assert error.code is Code.RESOURCE_EXHAUSTED and "max_aux_bytes" in error.reason
 
 
 @pytest.mark.parametrize("address, good", [
@@ -81,4 +81,4 @@ def test_peer_addresses(address, good):
     if good:
         check_peer_address(address, "sender_address")
     else:
-        assert "sender_address" in refusal(check_peer_address, address, "sender_address").message
+        assert "sender_address" in refusal(check_peer_address, address, "sender_address").reason

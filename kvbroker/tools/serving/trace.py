@@ -9,7 +9,7 @@ Events, in a request's order:
     decode.send_metadata      decode's receiver sends its metadata (KvbrokerKVReceiver.send_metadata)
     client.expect_transfer    decode's ExpectTransfer call, begin and end (BrokerClient.expect_transfer)
     broker.expect             decode broker: the grant accepted (Receiver.expect)
-    broker.offer              prefill broker: decode's offer received (PartSender.receive_offer)
+    broker.offer              prefill broker: decode's offer received (OfferIntake.receive_offer)
     prefill.metadata          prefill's KV manager takes decode's metadata frame (KvbrokerKVManager._on_metadata)
     client.transfer_part      each part's Transfer call on prefill, begin and end (BrokerClient.transfer_part)
     broker.part               prefill broker: each part written and noticed, begin and end (PartSender.send_part)
@@ -122,16 +122,20 @@ def _broker_receiver(module) -> None:
           fields=lambda a, k: {"parts": [n.part for n in a[2]]})
 
 
+def _broker_intake(module) -> None:
+    _wrap(module.OfferIntake, "receive_offer", "broker.offer", lambda a, k: a[2].request_id)
+
+
 def _broker_sender(module) -> None:
-    _wrap(module.PartSender, "receive_offer", "broker.offer", lambda a, k: a[2].request_id)
     _wrap(module.PartSender, "send_part", "broker.part", lambda a, k: a[1].request_id, span=True)
 
 
 def install() -> None:
     after_import("kvbroker_sglang.conn", _plugin)
     after_import("kvbroker_client.client", _client)
-    after_import("kvbroker.receiver", _broker_receiver)
-    after_import("kvbroker.part_sender", _broker_sender)
+    after_import("kvbroker.flows.receiver", _broker_receiver)
+    after_import("kvbroker.flows.offer_intake", _broker_intake)
+    after_import("kvbroker.flows.part_sender", _broker_sender)
 
 
 def read(directory: Path) -> list[dict]:

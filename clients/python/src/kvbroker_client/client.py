@@ -528,9 +528,10 @@ class BrokerClient:
             else:
                 log.warning("broker %s restarted (epoch %d -> %d); registering %d engine(s) again",
                             self.target, self._epoch, seen.epoch, len(self._engines))
-                self.restarts_seen += 1
             await self._end_session()  # whatever the client still holds of the old session
             await self._register_again(deadline, {e.engine_id for e in seen.engines})
+            if seen.epoch != self._epoch:
+                self.restarts_seen += 1  # counted once: a failed registration is retried under the same epoch
             self._epoch = seen.epoch  # only now: a call that sees the new epoch first waits for the lock
             return True
 

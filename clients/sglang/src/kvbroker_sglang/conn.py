@@ -346,7 +346,7 @@ class KvbrokerKVManager(CommonKVManager):
         else:
             self._drop_if_unclaimed(room)
 
-    def when_quiet(self, room: int, fn) -> None:
+    def when_quiesced(self, room: int, fn) -> None:
         """Call `fn()` once nothing can write into the room's pages: now, or when its cancel answers."""
         state = self._rooms.get(room)
         cancel = None if state is None else state.cancel
@@ -388,7 +388,7 @@ class KvbrokerKVManager(CommonKVManager):
     def _decode_aborted(self, room: int) -> None:
         """SGLang's abort frame from decode: the room fails with what the broker says of it.
 
-        Decode's cancel withdraws its grant from this broker too; whichever comes first, cancelling
+        Decode's cancel revokes its grant at this broker too; whichever comes first, cancelling
         the room here answers with its failure (CANCELLED and the reason) once no part writes into it.
         """
         with self._rooms_lock:
@@ -719,7 +719,7 @@ class KvbrokerKVReceiver(CommonKVReceiver):
         room, generation, count = self.bootstrap_room, self._abort_generation, len(self.bootstrap_infos)
         self.kv_mgr.cancel_room(room, self.kv_mgr.failure_records.get(room, "aborted by SGLang decode"))
         if generation is not None:
-            self.kv_mgr.when_quiet(room, lambda: [self.kv_mgr.note_abort_ack(room, rank, generation)
+            self.kv_mgr.when_quiesced(room, lambda: [self.kv_mgr.note_abort_ack(room, rank, generation)
                                                   for rank in range(count)])
 
     def clear(self) -> None:

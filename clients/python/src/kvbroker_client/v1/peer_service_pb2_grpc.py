@@ -102,7 +102,7 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RevokeOffer(self, request, context):
-        """The receiving broker withdraws an offer (the grant was cancelled, expired or its engine went);
+        """The receiving broker revokes an offer (the grant was cancelled, expired or its engine went);
         answers once no write into the grant runs on the called broker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,208 @@
+"""How fast the local API's health answers while the peer port is flooded: a measurement, not a test.
+
+    scripts/in-netns.sh .venv/bin/python benchmarks/health_flood.py [--seconds S] [--out FILE]
+
+One real broker (`kvbroker serve`, NIXL, default settings but allow_unprotected_transports) on
+loopback. Its local API's health (what the probes ask: deploy/, kvbroker.ops.probe) is checked
+over and over from a process of its own, one check after the other, for `--seconds` in each phase:
+
+- `calm`: nothing else;
+- `idle`: 3000 TCP connections to the peer port that never speak (over max_peer_connections, 1024);
+- `busy-4`, `busy-16`: 4 or 16 connections, each sending one 9 MB OfferGrant (3 page lists of a
+  million ids, in a stranger's name: refused by the per-peer page quota once one is kept) after
+  the other, from a process of their own;
+- `idle+busy-16`: both.
+
+Per phase: the checks' count, median, 99th percentile and slowest (seconds), those that failed
+(a check has 10 s), the peer port's health asked on a new connection, the busy callers' answers,
+and the broker's CPU seconds per second. JSON on stdout (or --out), with the machine's load average;
+a summary on stderr. The same run's `calm` phase is the baseline the others are read against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from kvbroker.tools.launch import start_broker  # noqa: E402
+
+IDLE = 3000
+CHECK_TIMEOUT_S = 10.0
+
+FLOODER = """
+import json, secrets, sys, threading, grpc
+from kvbroker_client.v1 import common_pb2 as pb, peer_service_pb2 as ppb
+address, callers = sys.argv[1], int(sys.argv[2])
+data = ppb.OfferGrantRequest(
+    broker_id="stranger", epoch=1, peer_address="127.0.0.1:9", engine_id="decode-x/tp0", request_id="x",
+    pages=[pb.ComponentPages(component=c, page_ids=range(1 << 20)) for c in (1, 2, 4)], remaining_ms=60000,
+    offer_token=secrets.token_hex(16), generation=1).SerializeToString()
+options = [("grpc.max_send_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
+channels = [grpc.insecure_channel(address, options=options) for _ in range(callers)]
+for channel in channels:
+    grpc.channel_ready_future(channel).result(timeout=60)
+codes, stop, lock = {}, threading.Event(), threading.Lock()
+def caller(channel):
+    send = channel.unary_unary("/kvbroker.v1.PeerService/OfferGrant")
+    while not stop.is_set():
+        try:
+            send(data, timeout=30)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        with lock:
+            codes[code] = codes.get(code, 0) + 1
+threads = [threading.Thread(target=caller, args=(c,), daemon=True) for c in channels]
+for thread in threads:
+    thread.start()
+print("ready", flush=True)
+sys.stdin.read()
+stop.set()
+for thread in threads:
+    thread.join(60)
+print(json.dumps(codes), flush=True)
+"""
+
+PROBER = """
+import sys, time, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+address, timeout = sys.argv[1], float(sys.argv[2])
+with grpc.insecure_channel(address) as channel:
+    grpc.channel_ready_future(channel).result(timeout=60)
+    print("ready", flush=True)
+    stub = health_pb2_grpc.HealthStub(channel)
+    while True:
+        started = time.monotonic()
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service="kvbroker.v1.BrokerService"), timeout=timeout)
+            status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.RpcError as exc:
+            status = exc.code().name
+        print(status, round(time.monotonic() - started, 6), flush=True)
+        time.sleep(0.02)
+"""
+
+
+async def child(script: str, *args: str) -> asyncio.subprocess.Process:
+    process = await asyncio.create_subprocess_exec(sys.executable, "-c", script, *args, stdin=asyncio.subprocess.PIPE,
+                                                   stdout=asyncio.subprocess.PIPE, cwd=ROOT)
+    ready = await asyncio.wait_for(process.stdout.readline(), 90)
+    if ready != b"ready\n":
+        raise RuntimeError(f"a child did not start: {ready!r}")
+    return process
+
+
+def cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def idle_connections(address: str, count: int):
+    host, _, port = address.rpartition(":")
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            held.append(sock)
+        yield
+    finally:
+        for sock in held:
+            sock.close()
+
+
+async def fresh_peer_health(address: str) -> str:
+    async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+
+
+async def phase(name: str, broker, seconds: float, idle: int, callers: int) -> dict:
+    prober = await child(PROBER, broker.listen, str(CHECK_TIMEOUT_S))
+    answers: list[tuple[str, float]] = []
+
+    async def read() -> None:
+        while line := await prober.stdout.readline():
+            status, took = line.split()
+            answers.append((status.decode(), float(took)))
+
+    reading = asyncio.create_task(read())
+    flooder = await child(FLOODER, broker.peer_listen, str(callers)) if callers else None
+    codes: dict = {}
+    try:
+        with idle_connections(broker.peer_listen, idle):
+            await asyncio.sleep(1.0)  # the flood in place before the window measured
+            first, cpu_before = len(answers), cpu_s(broker.process.pid)
+            await asyncio.sleep(seconds)
+            cpu = cpu_s(broker.process.pid) - cpu_before
+            window = answers[first:]
+            peer = await fresh_peer_health(broker.peer_listen)
+            if flooder is not None:
+                flooder.stdin.close()
+                codes = json.loads((await asyncio.wait_for(flooder.stdout.readline(), 120)).decode())
+    finally:
+        for process in (prober, flooder):
+            if process is not None and process.returncode is None:
+                process.kill()
+                await process.wait()
+        await reading
+    times = sorted(t for _, t in window)
+    result = {
+        "phase": name, "idle_connections": idle, "busy_callers": callers, "seconds": seconds,
+        "checks": len(window), "failed": sum(s != "SERVING" for s, _ in window),
+        "median_s": statistics.median(times) if times else None,
+        "p99_s": times[min(len(times) - 1, int(0.99 * len(times)))] if times else None,
+        "max_s": times[-1] if times else None,
+        "peer_health_new_connection": peer, "busy_answers": codes,
+        "broker_cpu_per_s": round(cpu / seconds, 3),
+    }
+    print(f"{name:14} checks {result['checks']:4}  failed {result['failed']}  median {result['median_s']:.4f}s  "
+          f"p99 {result['p99_s']:.3f}s  max {result['max_s']:.3f}s  peer {peer:18} cpu/s {result['broker_cpu_per_s']}"
+          f"  busy {codes}", file=sys.stderr)
+    return result
+
+
+async def main() -> tuple[str | None, str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=15.0, help="seconds measured in each phase")
+    parser.add_argument("--out", help="write the JSON here instead of stdout")
+    args = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    broker = await start_broker("health-flood", "--backend", "nixl", "--log-level", "ERROR",
+                                env={**os.environ, "KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS": "true"})
+    try:
+        phases = [await phase(name, broker, args.seconds, idle, callers) for name, idle, callers in (
+            ("calm", 0, 0), ("idle", IDLE, 0), ("busy-4", 0, 4), ("busy-16", 0, 16), ("idle+busy-16", IDLE, 16))]
+    finally:
+        await broker.stop()
+    return args.out, json.dumps({"benchmark": "health_flood", "load_average": os.getloadavg(),
+                                 "cpus": os.cpu_count(), "phases": phases}, indent=2)
+
+
+if __name__ == "__main__":
+    out, text = asyncio.run(main())
+    if out:
+        Path(out).write_text(text + "\n")
+    else:
+        print(text)
