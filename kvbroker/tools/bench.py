@@ -53,7 +53,7 @@ LOOPS = ("uvloop", "asyncio")
 async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
     from kvbroker_client.shm import SharedSegment
 
-    runs, floor = [], []
+    runs, floor, exchange = [], [], []
     placements = shapes.place_buffers(BENCH_CONTROL)
     size = shapes.pool_size(BENCH_CONTROL, placements)
     for side in sides:
@@ -79,12 +79,13 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                     child = await Child.start("control", json.dumps(config))
                     try:
                         per_level = plan.control_seconds + plan.control_warmup_s + 30
-                        budget = len(plan.concurrency) * (1 + len(FLOWS)) * per_level + 60
+                        budget = len(plan.concurrency) * (3 + len(FLOWS)) * per_level + 60  # + ping, streamed
                         report = await child.reply(timeout=budget)
                     finally:
                         await child.stop()
                     for r in report["rpc_floor"]:
                         floor.append({"backend": side.backend, "client_loop": loop_name, **r})
+                    exchange += [{"backend": side.backend, "client_loop": loop_name, **r} for r in report["exchange"]]
                     for r in report["results"]:
                         runs.append({"backend": side.backend, "client_loop": loop_name,
                                      "client_loop_class": report["loop"], **r})
@@ -108,7 +109,8 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                    "grant_ms": "the decode server's ExpectTransfer (offered: with the offer delivered)",
                    "request_ms": "grant + Transfer, one request's whole time",
                    "requests_per_s": "whole requests (grant + Transfer) completed in the window per second",
-                   "order": "per concurrency level: floor, claimed, offered, each its own window"},
+                   "order": "per concurrency level: floor, claimed, offered, then (exchange) ping and streamed, "
+                            "each its own window"},
         "notify": "offered rows: the prefill broker's NotifyParts calls and notices in the window "
                   "(kvbroker_peer_notify_calls_total, kvbroker_peer_part_notices_total)",
         "varied": "the client's event loop (uvloop or asyncio's default), in its own process; "
@@ -116,6 +118,11 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
         "cpu": "cpu_ms_per_request: CPU time each process spent in the window / requests completed in it; "
                "machine_busy_cores: busy time of all CPUs / window (equal to the CPU count when saturated)",
         "runs": runs,
+        "exchange": exchange,
+        "exchange_is": "per level: a bare message (ping) on the prefill client's Exchange stream, then the offered "
+                       "flow's request with its ExpectTransfer and its part as commands on the two clients' streams "
+                       "(kvbroker/tools/bench_exchange.py); transfer_ms is the part, ping.call_ms the bare message; "
+                       "`unary` repeats the same level's offered row, measured just before",
         "rpc_floor": floor,
         "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer; "
                         "measured at every concurrency level, just before that level's flows",
