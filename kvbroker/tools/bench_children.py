@@ -201,13 +201,18 @@ FLOWS = ("claimed", "offered")  # the old flow (Transfer names the peer, claims 
 
 @dataclass
 class Window:
-    """What the control-plane workers saw of one window; only requests ending inside count."""
+    """What the control-plane workers saw of one window: the requests ending inside it (`takes`)."""
 
     begin: float
     end: float
     transfer_s: list[float] = dataclasses.field(default_factory=list)  # the Transfer call (the floor: its RPC)
     grant_s: list[float] = dataclasses.field(default_factory=list)  # ExpectTransfer (offered: with the offer)
     errors: list[str] = dataclasses.field(default_factory=list)
+
+    def takes(self, now: float) -> bool:
+        """Whether a call ending at `now` counts: inside the window, or after it while the window holds
+        none (on a loaded machine one call can outlast a short window; an empty row measures nothing)."""
+        return self.begin <= now and (now <= self.end or not self.transfer_s)
 
 
 async def _claimed(config: dict, prefill, decode, rid: str, page: int) -> tuple[float, float]:
@@ -254,7 +259,7 @@ async def _control_worker(config: dict, flow: str, prefill, decode, window: Wind
         except Exception as exc:  # counted and reported; the run goes on
             window.errors.append(f"{type(exc).__name__}: {exc}")
             continue
-        if window.begin <= loop.time() <= window.end:
+        if window.takes(loop.time()):
             window.grant_s.append(grant_s)
             window.transfer_s.append(transfer_s)
 
@@ -265,7 +270,7 @@ async def _floor_worker(client, window: Window) -> None:
     while loop.time() < window.end:
         started = time.perf_counter()
         await client.info()
-        if window.begin <= loop.time() <= window.end:
+        if window.takes(loop.time()):
             window.transfer_s.append(time.perf_counter() - started)
 
 

@@ -30,7 +30,7 @@ async def _ping_worker(client, window) -> None:
     while loop.time() < window.end:
         started = time.perf_counter()
         await client.exchange.ping(10.0)
-        if window.begin <= loop.time() <= window.end:
+        if window.takes(loop.time()):
             window.transfer_s.append(time.perf_counter() - started)
 
 
