@@ -598,6 +598,13 @@ class PartsMachine(RuleBasedStateMachine):
             status = self.decode_now()
             if status.state in TERMINAL and self.expiring and status.code == code_value(DE):
                 self._settle(status)
+            elif self.expiring and (sender.state, sender.code) == (FAILED, code_value(DE)):
+                # the sender's offer runs out no later than decode's grant (its lifetime follows the
+                # grant's expiry), so between the two reads the sender can have ended first: decode's end follows
+                ended = self.decode_end()
+                assert (ended.state, ended.code) == (FAILED, code_value(DE)), \
+                    f"the sender's offer expired, decode ended {describe(ended)}"
+                self._settle(ended)
             else:
                 want = PENDING if self.m.parts == 0 else TRANSFERRING
                 assert status.state == want, f"decode is {describe(status)}, the model {pb.TransferState.Name(want)}"
