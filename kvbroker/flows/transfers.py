@@ -107,8 +107,8 @@ class TransferTable:
     def _add(self, record: R) -> R:
         old = self._records.get(record.key)
         if old is not None and not old.state.terminal:
-            raise BrokerError(Code.ALREADY_EXISTS, f"request_id: request {record.request_id!r} is already in flight "
-                                                   f"on engine {record.engine_id!r}")
+            raise BrokerError(Code.ALREADY_EXISTS, f"request_id: request {record.request_id!r} "
+                                                   f"is already in flight on engine {record.engine_id!r}")
         if old is not None:
             self._ended.pop(old.key, None)
         self._records[record.key] = record
