@@ -8,7 +8,8 @@ wait: until the first SIGTERM or SIGINT (`capture_signals`; a second one forces 
 shutdown: NOT_SERVING at once, drain in-flight transfers within the grace period, stop the
 servers, release engines and the backend, stop the metrics endpoint. With `health_listen`, a third
 listener answers grpc.health.v1 Check from threads of its own (ops/health_listener.py), so that a
-busy peer flood in the loop does not delay the probes; its status follows the other two. Tests call startup and
+busy peer flood in the loop does not delay the probes; its status follows the other two, and the
+loop's heartbeat (a wedged loop is NOT_SERVING there too). Tests call startup and
 shutdown directly; `kvbroker serve` (cli.py) calls serve. Its parts: `new_epoch`, `peer_credentials`
 (TLS of the peer port), `peer_server_options` (the peer port's bounds in grpc core), `bind_unix`
 (the local socket, created with its final mode), `raise_fd_limit`, `Endpoints` (the addresses as bound).
@@ -42,7 +43,7 @@ from kvbroker.edge.tls import PeerTls
 from kvbroker.edge.trust import PeerCalls, PeerGate
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.limits import Limits
-from kvbroker.ops.health_listener import HealthListener
+from kvbroker.ops.health_listener import BEAT_S, HealthListener
 from kvbroker.ops.metrics import Metrics
 from kvbroker.ops.trim import MemoryTrim
 from kvbroker.peers.clients import PeerClients
@@ -237,6 +238,7 @@ class BrokerServer:
         self._peers: PeerClients | None = None
         self._sockets: list[UnixSocket] = []
         self._health_listener: HealthListener | None = None
+        self._beating: asyncio.Task[None] | None = None
         self._trim = MemoryTrim()
         self.metrics = Metrics()
 
@@ -326,7 +328,14 @@ class BrokerServer:
         else:
             bound = listener.bind(address)
         listener.start()
+        self._beating = asyncio.get_running_loop().create_task(self._beat(listener), name="health-beat")
         return bound
+
+    @staticmethod
+    async def _beat(listener: HealthListener) -> None:
+        while True:
+            listener.beat()
+            await asyncio.sleep(BEAT_S)
 
     async def serve(self, ready: Callable[[Endpoints], None] | None = None) -> int:
         """Start, call `ready` with the bound endpoints, serve until a signal, shut down. Returns the
@@ -354,6 +363,8 @@ class BrokerServer:
         if self.broker is not None:
             await self.broker.drain(grace)
         stopping = [server.stop(1.0) for server in self._servers]
+        if self._beating is not None:
+            self._beating.cancel()
         if self._health_listener is not None:  # its stop blocks: not in the loop
             stopping.append(asyncio.to_thread(self._health_listener.stop, 1.0))
         await asyncio.gather(*stopping)

@@ -9,6 +9,11 @@ pool, so an answer waits for the GIL (a parse holds it for one call at a time), 
 backlog. It serves Check only: Watch holds a pool thread for as long as it runs, so it is refused
 (UNIMPLEMENTED, naming the local API, where Watch is served); nor does it serve reflection.
 
+A thread answers even when the loop is wedged, which would blind the liveness probe: so the loop
+beats (`beat`, every BEAT_S from server.py), and Check answers NOT_SERVING while the last beat is
+older than `stall_s` (STALL_S, 20 s: longer than any flood's delay measured, 3 s, shorter than
+the manifests' liveness window, 30 s), whatever the status set.
+
 `HealthListener`: bind (host:port, port 0 resolved; a Unix socket is bound by server.bind_unix on
 `.server`), start, serving / draining (thread-safe: grpc_health's synchronous HealthServicer takes
 a lock), stop. The status follows the broker's lifecycle exactly as the aio health of the two API listeners.
@@ -16,11 +21,15 @@ a lock), stop. The status follows the broker's lifecycle exactly as the aio heal
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+BEAT_S = 1.0  # how often the loop beats
+STALL_S = 20.0  # a loop that has not beaten for this long is reported NOT_SERVING
 THREADS = 2  # Check is a dict lookup under a lock: two threads answer a probe while the other is slow to send
 MAX_CALLS = 64  # calls held at once; more are refused RESOURCE_EXHAUSTED, not queued behind a flood of probes
 OPTIONS: list[tuple[str, object]] = [("grpc.max_receive_message_length", 4096),  # a HealthCheckRequest is a name
@@ -28,7 +37,18 @@ OPTIONS: list[tuple[str, object]] = [("grpc.max_receive_message_length", 4096), 
 
 
 class CheckOnlyHealth(health.HealthServicer):
-    """grpc_health's thread-safe servicer without Watch, whose stream would hold a pool thread."""
+    """grpc_health's thread-safe servicer without Watch, whose stream would hold a pool thread, and
+    NOT_SERVING while `stalled()`."""
+
+    def __init__(self, stalled: Callable[[], bool]) -> None:
+        super().__init__()
+        self._stalled = stalled
+
+    def Check(self, request, context):  # noqa: N802 (grpc's name)
+        reply = super().Check(request, context)
+        if self._stalled() and reply.status == health_pb2.HealthCheckResponse.SERVING:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return reply
 
     def Watch(self, request, context, send_response_callback=None):  # noqa: N802 (grpc's name)
         context.abort(grpc.StatusCode.UNIMPLEMENTED,
@@ -37,9 +57,12 @@ class CheckOnlyHealth(health.HealthServicer):
 
 
 class HealthListener:
-    def __init__(self, services: tuple[str, ...]) -> None:
+    def __init__(self, services: tuple[str, ...], stall_s: float = STALL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._services = ("", *services)
-        self._servicer = CheckOnlyHealth()
+        self._clock, self._stall_s = clock, stall_s
+        self._beaten = clock()
+        self._servicer = CheckOnlyHealth(lambda: self._clock() - self._beaten > self._stall_s)
         self._server = grpc.server(futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kvbroker-health"),
                                    options=OPTIONS, maximum_concurrent_rpcs=MAX_CALLS)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
@@ -59,6 +82,10 @@ class HealthListener:
 
     def start(self) -> None:
         self._server.start()
+
+    def beat(self) -> None:
+        """The loop is alive (a float store: atomic under the GIL)."""
+        self._beaten = self._clock()
 
     def serving(self) -> None:
         for name in self._services:
