@@ -73,6 +73,8 @@ class Settings(BaseSettings):
                                                              "(a peer's handshake answer too), bytes; 0: what 4 page "
                                                              "lists of max_pages_per_request page ids take, plus "
                                                              "64 KiB")
+    max_exchange_commands: int = Field(4096, gt=0, description="commands (parts, grants, watches) one Exchange "
+                                                               "stream runs at once; more are refused")
     max_engines: int = Field(1024, gt=0, description="engines registered at once")
     max_layer_buffers: int = Field(4096, gt=0, description="layer buffers of one engine, at registration and in a "
                                                            "peer's handshake answer")

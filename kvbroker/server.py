@@ -37,6 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from kvbroker.backends import create_backend, transports
 from kvbroker.config import Settings
 from kvbroker.edge.admission import Admission, PeerReads, RequestLimits
+from kvbroker.edge.exchange import Exchanges
 from kvbroker.edge.peer_service import PeerServicer
 from kvbroker.edge.service import BrokerServicer
 from kvbroker.edge.tls import PeerTls
@@ -236,6 +237,7 @@ class BrokerServer:
         self._servers: list[grpc.aio.Server] = []
         self._health: list[health.aio.HealthServicer] = []
         self._peers: PeerClients | None = None
+        self._exchanges: Exchanges | None = None
         self._sockets: list[UnixSocket] = []
         self._health_listener: HealthListener | None = None
         self._beating: asyncio.Task[None] | None = None
@@ -296,8 +298,9 @@ class BrokerServer:
                                      s.max_layer_buffers)
         local_admission = Admission(local_limits, trim=self._trim, counted=self.metrics.refusal("local"))
         local_server = self._grpc_server(BROKER_SERVICE, local_options, local_admission)
+        self._exchanges = Exchanges(broker, s.max_exchange_commands, settle_s=s.transfer_timeout_s)
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
-            BrokerServicer(broker, s.unregister_wait_s, gate, data_plane), local_server)
+            BrokerServicer(broker, s.unregister_wait_s, gate, data_plane, self._exchanges), local_server)
         if s.listen.startswith("unix:"):
             self._sockets.append(bind_unix(local_server, unix_path(s.listen)))
             listen = s.listen
@@ -372,6 +375,8 @@ class BrokerServer:
             with contextlib.suppress(OSError):
                 if os.stat(socket.path).st_ino == socket.inode:
                     os.unlink(socket.path)
+        if self._exchanges is not None:  # the ends of streams gRPC's stop cut, before the broker closes
+            await self._exchanges.close()
         if self._peers is not None:
             await self._peers.close()
         if self.broker is not None:

@@ -1,12 +1,31 @@
-"""Helpers the test modules share (one copy each): refusals, sync (the domain's BrokerError) and
-async (a gRPC call's AioRpcError)."""
+"""Helpers the test modules share (one copy each), none of which needs a broker of the suite's own:
+
+- refusals: `refusal` (the domain's BrokerError of a sync call), `rpc_refusal` (a gRPC call's AioRpcError);
+- `peer_service`: a PeerService of the test's own, served on loopback;
+- a process seen from outside: `listeners` (its listening ports), `scrape` (a broker's /metrics
+  summed per name), `kvbroker` (the CLI run in a child process);
+- `descriptor_rows`: descriptor rows (address, length, device) for a Backend's write, without the planner.
+
+Test modules import from here (and from tests/integration/flows.py and the other non-test modules
+beside them), never from each other: tests/test_layers.py pins it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 import grpc
+import numpy as np
 import pytest
 
 from kvbroker.core.errors import BrokerError
+from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 
 def refusal(fn, *args, **kwargs) -> BrokerError:
@@ -21,3 +40,68 @@ async def rpc_refusal(call) -> grpc.aio.AioRpcError:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     return info.value
+
+
+@contextlib.asynccontextmanager
+async def peer_service(servicer: ppb_grpc.PeerServiceServicer) -> AsyncIterator[str]:
+    """`servicer` served on a loopback port of its own, for as long as the block runs: its address."""
+    # past gRPC's 4 MiB default: a lying peer's handshake answer may be past the broker's bound
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+    ppb_grpc.add_PeerServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+def listeners(pid: int, tables: tuple[str, ...]) -> set[int]:
+    """Local ports of the sockets of process `pid` in these /proc/net tables: TCP ones in LISTEN
+    (state 0A), or every socket of a UDP table."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    ports = set()
+    for table in tables:
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and (table.startswith("udp") or fields[3] == "0A"):
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+async def scrape(address: str) -> dict[str, float]:
+    """A broker's /metrics at `address`, each metric's samples summed over their labels."""
+    def get() -> str:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            return reply.read().decode()
+
+    totals: dict[str, float] = {}
+    for line in (await asyncio.to_thread(get)).splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+async def kvbroker(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`python -m kvbroker ARGS` to its end (bounded): exit status, stdout, stderr."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvbroker", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                env={**os.environ, **(env or {})})
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def descriptor_rows(base: int, offsets, length: int) -> np.ndarray:
+    """Descriptor rows of `length` bytes at `base` + each of `offsets` (bytes), on device 0."""
+    out = np.zeros((len(offsets), 3), dtype=np.uint64)
+    out[:, 0] = base + np.asarray(offsets, dtype=np.uint64)
+    out[:, 1] = length
+    return out

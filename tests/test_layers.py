@@ -7,7 +7,9 @@
 - peers.clients is the gRPC client side of the peer plane: it may import grpc and the stubs, and
   converts their messages itself (peers/wire.py), never through the edge;
 - no circle of imports among kvbroker's modules, counting those made for type checking only;
-- no class over 220 lines, no module over 500 (kvbroker/tools excepted: bench scripts).
+- no class over 220 lines, no module over 500, kvbroker/tools included;
+- in tests/, no module imports a test module (test_*.py): what tests share lives in helper modules
+  (tests/helpers.py, tests/integration/flows.py and the others beside them).
 Each rule fails naming the module and the import that breaks it.
 """
 
@@ -118,8 +120,6 @@ def test_no_circle_of_imports_among_kvbroker_modules():
 def test_no_class_or_module_past_its_size():
     too_big = []
     for name, path in modules().items():
-        if in_layer(name, "kvbroker.tools"):
-            continue
         source = path.read_text()
         lines = source.count("\n")
         if lines > MAX_MODULE_LINES:
@@ -137,3 +137,13 @@ def test_the_rules_see_imports():
     edges = graph()
     assert "kvbroker.core.errors" in edges["kvbroker.flows.sender"]
     assert any(in_layer(i, "kvbroker.edge") for i in imports(PACKAGE / "server.py"))
+
+
+def test_no_test_module_imports_another():
+    tests = ROOT / "tests"
+    broken = []
+    for path in sorted(tests.rglob("*.py")):
+        for imported in imports(path):
+            if in_layer(imported, "tests") and imported.rpartition(".")[2].startswith("test_"):
+                broken.append(f"{module_name(path)} imports {imported}")
+    assert not broken, broken

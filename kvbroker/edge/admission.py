@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
@@ -46,10 +47,14 @@ LAYER_BUFFER_BYTES = 512  # the most one LayerBuffer message takes: ids, lengths
 PAGE_LISTS = {
     "/kvbroker.v1.BrokerService/ExpectTransfer": 5,  # dst_page_ids, or one list per component
     "/kvbroker.v1.BrokerService/Transfer": 6,  # src_page_ids and dst_page_ids, or one source list per component
+    "/kvbroker.v1.BrokerService/Exchange": 6,  # each message: one Transfer or one ExpectTransfer
     "/kvbroker.v1.PeerService/ClaimGrant": 1,
     "/kvbroker.v1.PeerService/OfferGrant": 4,
 }
 LAYER_BUFFER_METHODS = {"/kvbroker.v1.BrokerService/RegisterEngine"}
+# Streams whose messages are commands answered one by one (edge/exchange.py): a refused message is
+# handed to the handler, to answer under its command_id, and the stream goes on.
+COMMAND_STREAMS = {"/kvbroker.v1.BrokerService/Exchange"}
 WHOLE_MESSAGE_METHODS = {"/kvbroker.v1.PeerService/NotifyParts"}  # notices with aux payloads: the port's limit
 
 
@@ -60,6 +65,7 @@ class Refusal:
     code: grpc.StatusCode
     message: str
     kind: str  # the reason, for the log throttle and the refusal counter (REFUSAL_REASONS)
+    command_id: int | None = None  # a command stream's message: its command_id, when it could be read
 
 
 @dataclass(frozen=True)
@@ -235,33 +241,42 @@ class Admission(grpc.aio.ServerInterceptor):
     def _parser(self, method: str, deserialize: Callable[[bytes], Message] | None):
         most, why = self.limits.bytes_for(method)
 
+        commands = method in COMMAND_STREAMS
+
         def parse(data: bytes):
             if self._trim is not None:
                 self._trim.note(len(data))
             if len(data) > most:
                 return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"request: {len(data)} bytes exceed the {most} a request of {method} may take ({why})",
-                               "too_large")
+                               "too_large", leading_id(data) if commands else None)
             if deserialize is None:
                 return data
             try:
                 request = deserialize(data)
             except Exception as exc:  # DecodeError, or whatever a deserializer raises
                 return Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"request: not a valid message for {method}: {exc}", "malformed")
+                               f"request: not a valid message for {method}: {exc}", "malformed",
+                               leading_id(data) if commands else None)
             if isinstance(request, Message):
-                return self.limits.check_lists(request) or request
+                refusal = self.limits.check_lists(request)
+                if refusal is not None and commands:
+                    return dataclasses.replace(refusal, command_id=request.command_id)  # type: ignore[attr-defined]
+                return refusal or request
             return request
 
         return parse
 
     async def _refuse(self, refusal: Refusal, method: str, context) -> None:
+        self._log(refusal, method, context)
+        await context.abort(refusal.code, details(refusal.message))
+
+    def _log(self, refusal: Refusal, method: str, context) -> None:
         host = peer_host(context.peer())
         if self._counted is not None:
             self._counted(refusal.kind)
         self._throttle.warning((refusal.kind, host), "refused a request: %s", refusal.message,
                                extra={"peer": host, "method": method})
-        await context.abort(refusal.code, details(refusal.message))
 
     def _unary(self, method: str, inner, streams: bool = False):
         """A unary-request method as it was, refusing what the parser refused."""
@@ -308,7 +323,9 @@ class Admission(grpc.aio.ServerInterceptor):
                 if self.reads is None:
                     async for request in request_iterator:
                         if isinstance(request, Refusal):
-                            await self._refuse(request, method, context)
+                            if request.command_id is None:
+                                await self._refuse(request, method, context)
+                            self._log(request, method, context)  # the handler answers that command alone
                         yield request
                     return
                 while (request := await self._read(method, context, one=False)) is not grpc.aio.EOF:
@@ -345,6 +362,19 @@ class Admission(grpc.aio.ServerInterceptor):
         if isinstance(request, Refusal):
             await self._refuse(request, method, context)
         return request
+
+
+def leading_id(data: bytes) -> int | None:
+    """The command_id of a command stream's message from its first bytes, without parsing the rest:
+    field 1 as a varint, which protobuf writes first; None when the message does not start so."""
+    if not data or data[0] != 0x08:
+        return None
+    value = 0
+    for i, byte in enumerate(data[1:11]):
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            return value if value < 1 << 64 else None
+    return None
 
 
 def _bare(exc: BaseException) -> BaseException:

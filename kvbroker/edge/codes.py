@@ -1,6 +1,8 @@
 """What both servicers share at the gRPC edge:
 - `translate_errors`: wraps a unary servicer method, BrokerError → its status, anything else INTERNAL;
 - `status_code`, `details`: a domain code and message as gRPC sends them (streaming handlers);
+- `failure`: what a unary method's exception becomes, as a code and a message (translate_errors,
+  and the Exchange stream's replies: one mapping for both);
 What every call meets before a servicer sees it (size, parse, lists, concurrency) is admission.py.
 """
 
@@ -36,6 +38,14 @@ def details(message: str) -> str:
     return raw[:MAX_DETAILS_BYTES].decode(errors="ignore") + f"... ({len(raw)} bytes, clipped)"
 
 
+def failure(exc: BaseException, where: str = "a command") -> tuple[grpc.StatusCode, str]:
+    """BrokerError → its code and message; anything else → INTERNAL, logged."""
+    if isinstance(exc, BrokerError):
+        return status_code(exc.code), details(exc.reason)
+    log.error("%s failed", where, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, details(f"internal error: {type(exc).__name__}: {exc}")
+
+
 def translate_errors(method):
     """Wrap a unary servicer method: BrokerError → its status; anything else → INTERNAL, logged."""
 
@@ -43,13 +53,9 @@ def translate_errors(method):
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
         try:
             return await method(self, request, context)
-        except BrokerError as exc:
-            await context.abort(status_code(exc.code), details(exc.reason))
         except (grpc.aio.AbortError, grpc.aio.UsageError):
             raise
         except Exception as exc:
-            log.exception("%s failed", method.__name__)
-            message = f"internal error: {type(exc).__name__}: {exc}"
-            await context.abort(grpc.StatusCode.INTERNAL, details(message))
+            await context.abort(*failure(exc, method.__name__))
 
     return wrapper

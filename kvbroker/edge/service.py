@@ -8,6 +8,7 @@ from kvbroker import __version__
 from kvbroker.core.errors import BrokerError
 from kvbroker.edge import convert
 from kvbroker.edge.codes import details, status_code, translate_errors
+from kvbroker.edge.exchange import Exchanges
 from kvbroker.edge.trust import PeerGate
 from kvbroker.flows.broker import Broker
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -16,8 +17,9 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
 class BrokerServicer(bpb_grpc.BrokerServiceServicer):
     def __init__(self, broker: Broker, unregister_wait_s: float, gate: PeerGate | None = None,
-                 data_plane=None) -> None:
+                 data_plane=None, exchanges: Exchanges | None = None) -> None:
         self._broker = broker
+        self.exchanges = exchanges or Exchanges(broker, max_commands=1024, settle_s=broker.limits.peer_settle_s)
         self._data_plane = data_plane  # server.DataPlane: the data port's fence, for GetBrokerInfo
         self._unregister_wait_s = unregister_wait_s
         self._gate = gate or PeerGate(["*"], authenticated=False)
@@ -72,6 +74,10 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
         async with contextlib.aclosing(updates):
             async for status in updates:
                 yield bpb.WatchTransferResponse(status=convert.status_out(status))
+
+    async def Exchange(self, request_iterator, context):
+        """The command stream: each command the Broker call of its unary RPC (edge/exchange.py)."""
+        await self.exchanges.serve(request_iterator, context)
 
     @translate_errors
     async def CancelTransfer(self, request, context):

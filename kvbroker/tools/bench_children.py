@@ -9,7 +9,8 @@ JSON lines on stdout (whatever a library prints goes to stderr):
   requests of both flows (claimed: grant, then a Transfer that names the peer; offered: grant
   offered to the prefill broker, then one part) in a loop from concurrent workers on one event
   loop (uvloop or asyncio's), with the CPU each broker and the client spent and the prefill
-  broker's NotifyParts calls and notices; answers once, with its report.
+  broker's NotifyParts calls and notices, then the same offered request on the Exchange stream
+  beside a bare message on it (bench_exchange.py); answers once, with its report.
 Called by bench.py's sections only.
 """
 
@@ -271,12 +272,16 @@ async def _floor_worker(client, window: Window) -> None:
 async def _control_child(config: dict) -> dict:
     """Per concurrency level, side by side: the floor (bare GetBrokerInfo), the claimed flow and the
     offered flow, each a window of `seconds` after `warmup_s`; then each flow against the floor."""
+    from kvbroker.tools import bench_exchange
     from kvbroker_client.client import BrokerClient
 
     loop = asyncio.get_running_loop()
-    prefill = await BrokerClient.connect(config["prefill"])
-    decode = await BrokerClient.connect(config["decode"])
-    results, floor = [], []
+    prefill = await BrokerClient.connect(config["prefill"], exchange=False)  # the unary calls
+    decode = await BrokerClient.connect(config["decode"], exchange=False)
+    s_prefill = await BrokerClient.connect(config["prefill"])  # the same on the Exchange stream
+    s_decode = await BrokerClient.connect(config["decode"])
+    results, floor, exchange = [], [], []
+    tools = bench_exchange.Windows(Window, _control_worker, _cpu_over, _flow_row, _percentiles)
     try:
         for concurrency in config["concurrency"]:
             begin = loop.time() + config["warmup_s"]
@@ -297,11 +302,15 @@ async def _control_child(config: dict) -> dict:
                     asyncio.gather(*(_control_worker(config, flow, prefill, decode, window, concurrency, w)
                                      for w in range(concurrency))))
                 results.append(_flow_row(flow, concurrency, config["seconds"], window, cpu))
+            offered = next((r for r in results if r["flow"] == "offered" and r["concurrency"] == concurrency), None)
+            exchange.append(await bench_exchange.level(tools, config, concurrency, s_prefill, s_decode, floor[-1],
+                                                       offered))
     finally:
-        await prefill.close()
-        await decode.close()
+        for client in (prefill, decode, s_prefill, s_decode):
+            await client.close()
     _against(results, floor)
-    return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor}
+    return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor,
+            "exchange": exchange}
 
 
 def _flow_row(flow: str, concurrency: int, seconds: float, window: Window, cpu: dict) -> dict:

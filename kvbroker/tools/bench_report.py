@@ -93,6 +93,11 @@ def judge(report: dict) -> list[dict]:
                     notify = r.get("notify") or {}
                     add(TARGETS["rps_claimed"], subject, r.get("requests_per_s_vs_claimed"),
                         f"{r['requests_per_s']:.0f} req/s; {notify.get('notices_per_call')} notices per NotifyParts")
+    if control and control.get("exchange"):
+        from kvbroker.tools import bench_exchange
+
+        for key, text, threshold, higher, figure, detail in bench_exchange.verdicts(control["exchange"]):
+            add(Target(key, text, threshold, higher), detail.partition(":")[0], figure, detail.partition(": ")[2])
     plans = report.get("planner")
     if plans:
         for row in plans["rows"]:
@@ -280,6 +285,10 @@ def render(report: dict) -> str:
                       ("planner", _render_planner), ("registration", _render_registration)):
         if report.get(key):
             lines += part(report[key])
+        if key == "control_plane" and (report.get(key) or {}).get("exchange"):
+            from kvbroker.tools import bench_exchange
+
+            lines += bench_exchange.render(report[key]["exchange"])
     if report["targets"]:
         lines += ["", "Targets"]
         for v in report["targets"]:

@@ -4,9 +4,6 @@ real broker, started with the manifests' settings, listens on nothing else."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
 from kvbroker.config import Settings
@@ -21,6 +18,7 @@ from tests.deploy.conftest import (
     pod_labels,
     selects,
 )
+from tests.helpers import listeners
 
 # Whether brokers of a role are written to, so that the other role's engines connect to theirs. A
 # sender's engine only dials out (README.md, Security, Ports: SYNs seen across two namespaces).
@@ -84,26 +82,6 @@ def test_data_port_range_is_one_both_engines_honour(docs):
     # Mooncake falls back to 15000-17000, which the policy does not open, for a range it refuses.
     assert not set(ports) & set(KERNEL_EPHEMERAL)
     assert peer_port(docs) not in ports
-
-
-def listeners(pid: int, tables: tuple[str, ...]) -> set[int]:
-    """Local ports of the sockets of process `pid` in these /proc/net tables: TCP ones in LISTEN
-    (state 0A), or every socket of a UDP table."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    ports = set()
-    for table in tables:
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[9] in inodes and (table.startswith("udp") or fields[3] == "0A"):
-                ports.add(int(fields[1].rpartition(":")[2], 16))
-    return ports
 
 
 @pytest.mark.integration

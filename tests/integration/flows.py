@@ -1,10 +1,11 @@
 """What the integration tests share to drive real brokers over gRPC (one copy each): the claimed
 flow's grant and transfer, the offered flow's offer and part, watching a request, a call's refusal,
-and the bytes a destination pool should hold after some moves. Not a test module: test modules
-import from here, never from each other."""
+a broker's JSON log lines, and the bytes a destination pool should hold after some moves. Not a
+test module: test modules import from here, never from each other."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import grpc
@@ -22,10 +23,10 @@ MEDIUM = shapes.ModelShape("medium", 3, 4, page_size=16, kv_heads=8, head_dim=12
                          index_bytes=1, num_pages=1024, request_pages=768)
 
 
-async def grant(dst, request_id, dst_ids, components=ALL, expiry_ms=30_000):
+async def grant(dst, request_id, dst_ids, components=ALL, expiry_ms=30_000, timeout=10):
     return await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
         request_id=request_id, engine_id=dst.engine_id, components=components,
-        dst_page_ids=list(map(int, dst_ids)), expiry_ms=expiry_ms), timeout=10)
+        dst_page_ids=list(map(int, dst_ids)), expiry_ms=expiry_ms), timeout=timeout)
 
 
 async def transfer(src, dst, request_id, src_ids, components=ALL, dst_ids=(), timeout=60):
@@ -86,12 +87,14 @@ async def watch_all(engine, request_id, timeout=30):
     return [u.status async for u in call]
 
 
-async def watch_first(engine, request_id):
+async def watch_first(engine, request_id, timeout=10):
+    """The request's status now: the first message of WatchTransfer."""
     call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=10)
-    first = await call.read()
-    call.cancel()
-    return first.status
+                                     timeout=timeout)
+    try:
+        return (await call.read()).status
+    finally:
+        call.cancel()
 
 
 async def rest(call) -> list:
@@ -100,6 +103,20 @@ async def rest(call) -> list:
     while (message := await call.read()) is not grpc.aio.EOF:
         out.append(message.status)
     return out
+
+
+def log_entries(broker) -> list[dict]:
+    """The broker's JSON log lines so far, oldest first (the transfer engines write their own lines,
+    not JSON, on the same stream)."""
+    entries = []
+    for line in list(broker.process.stderr_lines):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict):
+            entries.append(entry)
+    return entries
 
 
 def expect_pages(src, dst, before, moves):

@@ -1,12 +1,13 @@
 """The contract of one offered grant and its parts, as the parts state machine
-(test_parts_state_machine.py) models it; pure, no broker.
+(test_parts_state_machine.py) models it; pure, no broker but in `attempt`.
 
 - `Part`: one Transfer of the offered flow; `GrantModel`: which entries of each of a grant's page
   lists begun parts have taken, which parts landed, the aux, how the grant ended;
 - `GrantModel.plan`: what one part must get from a live grant: a local refusal, a plan refusal,
   or acceptance and the entries it lands (the rules of DESIGN.md and topology.part_pages);
 - `explanations`: the serialisations of one step's parts (and the points where the grant may have
-  ended meanwhile) under which every outcome the brokers gave is one the contract allows.
+  ended meanwhile) under which every outcome the brokers gave is one the contract allows;
+- `attempt`: the one call to a broker here, a part sent and its `Outcome` (shared with test_expiry_gap.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ KINDS = (MAIN, INDEX, DENSE)
 NAMES = {MAIN: "MAIN", INDEX: "INDEX", DENSE: "DENSE"}
 NUM_PAGES = SHAPE.num_pages
 MAX_AUX = 65536  # the brokers' max_aux_bytes (default)
+CALL_S = 30.0  # one call, or one bounded wait for an end: far above what any takes here
 
 C = grpc.StatusCode
 IA, RE, PD, FP, DE = C.INVALID_ARGUMENT, C.RESOURCE_EXHAUSTED, C.PERMISSION_DENIED, C.FAILED_PRECONDITION, \
@@ -183,6 +185,15 @@ class Outcome:
         if self.code is None:
             return f"OK({pb.TransferState.Name(self.status.state)})"
         return f"{self.code.name}({self.details[:160]})"
+
+
+async def attempt(src: Engine, request_id: str, part: Part) -> Outcome:
+    """`part` sent to src's broker: what it got."""
+    try:
+        reply = await src.stub.Transfer(part.request(src, request_id), timeout=CALL_S)
+    except grpc.aio.AioRpcError as exc:
+        return Outcome(exc.code(), None, exc.details() or "")
+    return Outcome(None, reply.status)
 
 
 @dataclass

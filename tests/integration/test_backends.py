@@ -27,6 +27,7 @@ from kvbroker.tools.launch import exit_report
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, expected_after, run_engines_in_child
+from tests.helpers import descriptor_rows
 
 pytestmark = pytest.mark.integration
 
@@ -60,13 +61,6 @@ async def test_request_fragmented_into_more_than_5000_runs_moves_every_byte(brok
     assert_bytes(dst, expected_after(src, dst, before, ALL, src_ids, dst_ids))
 
 
-def _rows(base: int, offsets, length: int) -> np.ndarray:
-    rows = np.zeros((len(offsets), 3), dtype=np.uint64)
-    rows[:, 0] = base + np.asarray(offsets, dtype=np.uint64)
-    rows[:, 1] = length
-    return rows
-
-
 async def refuse_then_write(backend: str) -> dict:
     """A write the peer's engine refuses, then a good write to the same peer; returns what was seen."""
     settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
@@ -77,9 +71,10 @@ async def refuse_then_write(backend: str) -> dict:
     dst = np.zeros(size, dtype=np.uint8)
     registered = size - length  # the receiver's last page stays outside its registration
     offsets = np.arange(0, registered, length)
-    good = Descriptors(_rows(src.ctypes.data, offsets, length), _rows(dst.ctypes.data, offsets, length))
-    stray = Descriptors(np.vstack([good.src, _rows(src.ctypes.data, [0], length)]),
-                        np.vstack([good.dst, _rows(dst.ctypes.data, [registered], length)]))
+    good = Descriptors(descriptor_rows(src.ctypes.data, offsets, length),
+                       descriptor_rows(dst.ctypes.data, offsets, length))
+    stray = Descriptors(np.vstack([good.src, descriptor_rows(src.ctypes.data, [0], length)]),
+                        np.vstack([good.dst, descriptor_rows(dst.ctypes.data, [registered], length)]))
     seen = {}
     try:
         async with asyncio.timeout(60):
@@ -133,12 +128,13 @@ async def write_to_stopped_peer(receiver_pid: int, session: str, address: int, s
     await sender.start()
     await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
     peer = await sender.connect(session.encode())
-    await sender.write(peer, Descriptors(_rows(src.ctypes.data, [0], 4096), _rows(address, [0], 4096)), timeout=30)
+    await sender.write(peer, Descriptors(descriptor_rows(src.ctypes.data, [0], 4096),
+                                         descriptor_rows(address, [0], 4096)), timeout=30)
     os.kill(receiver_pid, signal.SIGSTOP)
     started = time.monotonic()
     try:
-        await sender.write(peer, Descriptors(_rows(src.ctypes.data, [0], size), _rows(address, [0], size)),
-                           timeout=120)
+        await sender.write(peer, Descriptors(descriptor_rows(src.ctypes.data, [0], size),
+                                             descriptor_rows(address, [0], size)), timeout=120)
         outcome = "succeeded"
     except Exception as exc:
         outcome = f"{type(exc).__name__}: {exc}"

@@ -15,8 +15,8 @@ from kvbroker.tools.launch import ChildDied
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, assert_bytes, close_broker, open_broker
-from tests.integration.test_lying_peer import Answers, peer_service, real_handshake
-from tests.integration.test_observability import kvbroker
+from tests.helpers import kvbroker, peer_service
+from tests.integration.peer_side import Answers, real_handshake
 
 pytestmark = pytest.mark.integration
 

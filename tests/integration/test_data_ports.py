@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.conftest import close_broker, open_broker
-from tests.deploy.test_network_policy import listeners
+from tests.helpers import listeners
 
 pytestmark = pytest.mark.integration
 

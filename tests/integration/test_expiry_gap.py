@@ -24,8 +24,7 @@ import pytest
 from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from tests.integration.flows import M3, offer
-from tests.integration.parts_model import MAIN, SHAPE, TERMINAL, Part
-from tests.integration.test_parts_state_machine import attempt
+from tests.integration.parts_model import MAIN, SHAPE, TERMINAL, Part, attempt
 
 pytestmark = pytest.mark.integration
 

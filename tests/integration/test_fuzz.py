@@ -55,6 +55,7 @@ from tests.conftest import (
     expected_after,
     open_broker,
 )
+from tests.integration.peer_side import real_handshake
 
 pytestmark = pytest.mark.integration
 
@@ -1043,9 +1044,7 @@ async def liar(world):
     server.start()
     try:
         engine = await made.make(bystander, "bystander", fill="canary")
-        async with grpc.aio.insecure_channel(bystander.peer_address) as channel:
-            real = await ppb_grpc.PeerServiceStub(channel).Handshake(ppb.HandshakeRequest(
-                broker_id="fuzzer", engine_id=engine.engine_id, backend=world.backend), timeout=10)
+        real = await real_handshake(bystander, engine.engine_id, world.backend, broker_id="fuzzer")
         world.bystanders.append(bystander)
         yield peer, f"127.0.0.1:{port}", real
     finally:

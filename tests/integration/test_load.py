@@ -24,6 +24,8 @@ from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, SMALL, Broker, Engine, Engines, assert_bytes, close_brokers, open_broker
+from tests.helpers import rpc_refusal
+from tests.integration import flows
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -71,28 +73,21 @@ class Request:
 
 
 async def grant(r: Request, dst_ids=None) -> None:
-    await r.dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
-        request_id=r.request_id, engine_id=r.dst.engine_id, components=r.components,
-        dst_page_ids=(r.dst_ids if dst_ids is None else dst_ids).tolist(), expiry_ms=60_000), timeout=60)
+    await flows.grant(r.dst, r.request_id, r.dst_ids if dst_ids is None else dst_ids, r.components,
+                      expiry_ms=60_000, timeout=60)
 
 
 async def transfer(r: Request) -> bpb.TransferStatus:
-    reply = await r.src.stub.Transfer(bpb.TransferRequest(
-        request_id=r.request_id, engine_id=r.src.engine_id, peer_address=r.dst.broker.peer_address,
-        remote_engine_id=r.dst.engine_id, components=r.components, src_page_ids=r.src_ids.tolist()), timeout=90)
-    return reply.status
+    return (await flows.transfer(r.src, r.dst, r.request_id, r.src_ids, r.components, timeout=90)).status
 
 
 async def watch(r: Request) -> list[int]:
-    call = r.dst.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=r.dst.engine_id, request_id=r.request_id),
-                                    timeout=90)
-    return [update.status.state async for update in call]
+    return [status.state for status in await flows.watch_all(r.dst, r.request_id, timeout=90)]
 
 
 async def refused(coro, code: grpc.StatusCode) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await coro
-    assert info.value.code() == code, info.value.details()
+    error = await rpc_refusal(coro)
+    assert error.code() == code, error.details()
 
 
 async def run_round(pairs: list[tuple[Engine, Engine]], number: int) -> None:

@@ -4,7 +4,6 @@ built from it."""
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import time
 
@@ -14,43 +13,14 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
-from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
-from tests.integration.test_bounds import Watch, prompt_bound, until
+from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker, until
+from tests.helpers import peer_service
+from tests.integration.peer_side import Answers, real_handshake
+from tests.integration.watch import Watch, prompt_bound
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
-
-
-class Answers(ppb_grpc.PeerServiceServicer):
-    """A PeerService that answers Handshake with what the test hands it."""
-
-    def __init__(self, handshake: ppb.HandshakeResponse) -> None:
-        self.handshake = handshake
-        self.handshakes = 0
-
-    async def Handshake(self, request, context):
-        self.handshakes += 1
-        return self.handshake
-
-
-@contextlib.asynccontextmanager
-async def peer_service(servicer: ppb_grpc.PeerServiceServicer):
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
-    ppb_grpc.add_PeerServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
-
-
-async def real_handshake(broker, engine_id: str, backend: str) -> ppb.HandshakeResponse:
-    async with grpc.aio.insecure_channel(broker.peer_address) as channel:
-        return await ppb_grpc.PeerServiceStub(channel).Handshake(ppb.HandshakeRequest(
-            broker_id="test", engine_id=engine_id, backend=backend), timeout=10)
 
 
 def lie(answer: ppb.HandshakeResponse, backend: str) -> ppb.HandshakeResponse:

@@ -42,6 +42,8 @@ from tests.conftest import (
     expected_after,
     run_engines_in_child,
 )
+from tests.helpers import descriptor_rows
+from tests.helpers import rpc_refusal as refused
 from tests.integration.flows import grant, transfer
 
 pytestmark = pytest.mark.integration
@@ -186,12 +188,6 @@ async def assert_moves(src: Engine, dst: Engine, request_id: str, before: np.nda
     assert_bytes(dst, expected_after(src, dst, before, ALL, IDS, IDS[::-1]))
 
 
-async def refused(call) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call
-    return info.value
-
-
 async def test_a_receiver_segment_shrunk_after_registration_fails_its_engine_and_not_the_broker(
         pair, servers, request_id):
     prefill, decode = pair
@@ -333,7 +329,6 @@ async def copy_into_shrunk_segments(backend: str) -> dict:
     from kvbroker.core.errors import BrokerError
     from kvbroker.core.model import Descriptors, Region
     from kvbroker.memory.mapping import map_shared_memory
-    from tests.integration.test_remote_peers import _rows
 
     os.environ.update(TCP)
     settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
@@ -345,8 +340,9 @@ async def copy_into_shrunk_segments(backend: str) -> dict:
     seen: dict = {}
 
     async def write(src: str, dst: str) -> dict:
-        rows = Descriptors(_rows(mapped[src].address, size // length, length),
-                           _rows(mapped[dst].address, size // length, length))
+        offsets = np.arange(size // length) * length
+        rows = Descriptors(descriptor_rows(mapped[src].address, offsets, length),
+                           descriptor_rows(mapped[dst].address, offsets, length))
         try:
             await sender.write(peer, rows, timeout=30)
             outcome = "written"

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import urllib.request
 
 import grpc
@@ -16,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL, BrokerPair, close_broker, open_broker
-from tests.integration.flows import grant, transfer
+from tests.helpers import kvbroker
+from tests.integration.flows import grant, log_entries, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -60,25 +59,10 @@ async def log_lines(broker, request_id: str, count: int = 1, timeout: float = 10
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        found = []
-        for line in list(broker.process.stderr_lines):
-            try:
-                entry = json.loads(line)
-            except ValueError:
-                continue  # the transfer engines write their own lines on the same stream
-            if isinstance(entry, dict) and entry.get("request_id") == request_id:
-                found.append(entry)
+        found = [entry for entry in log_entries(broker) if entry.get("request_id") == request_id]
         if len(found) >= count or loop.time() > deadline:
             return found
         await asyncio.sleep(0.05)
-
-
-async def kvbroker(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvbroker", *args,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                env={**os.environ, **(env or {})})
-    out, err = await asyncio.wait_for(proc.communicate(), 60)
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def moved(pair: BrokerPair, engines, request_id: str):

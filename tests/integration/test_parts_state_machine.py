@@ -74,8 +74,9 @@ from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import Engine
-from tests.integration.flows import DENSE, M3, offer
+from tests.integration.flows import DENSE, M3, offer, watch_first
 from tests.integration.parts_model import (
+    CALL_S,
     DE,
     FAILED,
     FP,
@@ -91,9 +92,9 @@ from tests.integration.parts_model import (
     C,
     Explanation,
     GrantModel,
-    Outcome,
     Part,
     Verdict,
+    attempt,
     code_of,
     code_value,
     explanations,
@@ -111,7 +112,6 @@ MACHINE = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, derandomize
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                           HealthCheck.filter_too_much])
 
-CALL_S = 30.0  # one call, or one bounded wait for an end: far above what any takes here
 LONG_EXPIRY_MS = 300_000  # never reached within an example
 SHORT_EXPIRY_MS = (250, 400, 600)
 
@@ -143,24 +143,6 @@ class World:
     dst: Engine  # decode, canary
     numbers: itertools.count = field(default_factory=itertools.count)
     stats: Counter = field(default_factory=Counter)  # printed: how deep the examples reached
-
-
-async def attempt(src: Engine, request_id: str, part: Part) -> Outcome:
-    try:
-        reply = await src.stub.Transfer(part.request(src, request_id), timeout=CALL_S)
-    except grpc.aio.AioRpcError as exc:
-        return Outcome(exc.code(), None, exc.details() or "")
-    return Outcome(None, reply.status)
-
-
-async def current(engine: Engine, request_id: str) -> pb.TransferStatus:
-    """The request's status now: the first message of WatchTransfer."""
-    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=CALL_S)
-    try:
-        return (await call.read()).status
-    finally:
-        call.cancel()
 
 
 async def terminal(engine: Engine, request_id: str) -> pb.TransferStatus:
@@ -337,7 +319,7 @@ class PartsMachine(RuleBasedStateMachine):
         return self.w.loop.run(coro, timeout)
 
     def decode_now(self) -> pb.TransferStatus:
-        return self.run(current(self.w.dst, self.request_id))
+        return self.run(watch_first(self.w.dst, self.request_id, CALL_S))
 
     def decode_end(self) -> pb.TransferStatus:
         return self.run(terminal(self.w.dst, self.request_id), self._end_wait())
@@ -612,7 +594,7 @@ class PartsMachine(RuleBasedStateMachine):
         self.steps += 1
         self.w.stats[f"step {self.steps}"] += 1
         if self.m.ended is None:
-            sender = self.run(current(self.w.src, self.request_id))  # first: decode expires before it
+            sender = self.run(watch_first(self.w.src, self.request_id, CALL_S))  # first: decode expires before it
             status = self.decode_now()
             if status.state in TERMINAL and self.expiring and status.code == code_value(DE):
                 self._settle(status)

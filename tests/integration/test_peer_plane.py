@@ -30,7 +30,7 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import assert_bytes, close_broker, close_brokers, open_broker
 from tests.integration.flows import MAIN, expect_pages, offer, part, refusal, watch_all
-from tests.integration.test_peer_trust import Identity
+from tests.integration.peer_side import Identity
 
 pytestmark = pytest.mark.integration
 

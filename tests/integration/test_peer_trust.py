@@ -22,29 +22,11 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.helpers import scrape
 from tests.integration.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_first
+from tests.integration.peer_side import Identity
 
 pytestmark = pytest.mark.integration
-
-
-class Identity:
-    """A certificate of the CA for `name`, as files for a broker and as credentials for a raw client."""
-
-    def __init__(self, ca: trustme.CA, directory, name: str) -> None:
-        cert = ca.issue_cert(name, "127.0.0.1", "localhost")
-        self.name = name
-        self.paths = {kind: directory / f"{name}-{kind}.pem" for kind in ("cert", "key", "ca")}
-        cert.private_key_pem.write_to_path(str(self.paths["key"]))
-        cert.cert_chain_pems[0].write_to_path(str(self.paths["cert"]))
-        ca.cert_pem.write_to_path(str(self.paths["ca"]))
-        self.credentials = grpc.ssl_channel_credentials(
-            root_certificates=ca.cert_pem.bytes(), private_key=cert.private_key_pem.bytes(),
-            certificate_chain=cert.cert_chain_pems[0].bytes())
-
-    @property
-    def flags(self) -> list[str]:
-        return ["--peer-tls-cert", str(self.paths["cert"]), "--peer-tls-key", str(self.paths["key"]),
-                "--peer-tls-ca", str(self.paths["ca"])]
 
 
 @pytest.fixture(scope="module")
@@ -160,22 +142,6 @@ async def test_only_the_claimant_completes_a_claimed_grant_and_counters_stay_wit
     assert status.pages == 3 and status.bytes == 3 * item and status.truncated_pages <= 1 << 20
     metrics = await scrape(decode.process.metrics_listen)
     assert metrics["kvbroker_transferred_pages_total"] < 1e6
-
-
-async def scrape(address: str) -> dict[str, float]:
-    import asyncio
-    import urllib.request
-
-    def get() -> str:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-            return reply.read().decode()
-
-    totals: dict[str, float] = {}
-    for line in (await asyncio.to_thread(get)).splitlines():
-        if line and not line.startswith("#"):
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
 
 
 async def test_broker_info_says_whether_peers_are_authenticated(trust, brokers):

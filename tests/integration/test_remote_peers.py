@@ -41,7 +41,8 @@ from tests.conftest import (
     run_engines_in_child,
     until,
 )
-from tests.integration.flows import free_port, grant, transfer
+from tests.helpers import descriptor_rows
+from tests.integration.flows import free_port, grant, log_entries, transfer
 
 pytestmark = pytest.mark.integration
 
@@ -50,15 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def peer_events(broker) -> list[dict]:
     """The broker's log lines about the peers its transfer engine holds, oldest first."""
-    events = []
-    for line in list(broker.process.stderr_lines):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue  # the transfer engines write their own lines on the same stream
-        if isinstance(entry, dict) and "remote_peers" in entry:
-            events.append(entry)
-    return events
+    return [entry for entry in log_entries(broker) if "remote_peers" in entry]
 
 
 def held(events: list[dict]) -> set[str]:
@@ -187,13 +180,6 @@ async def test_a_peer_no_longer_used_is_forgotten_and_one_in_use_is_not(backend,
             await close_broker(broker)
 
 
-def _rows(base: int, count: int, length: int) -> np.ndarray:
-    rows = np.zeros((count, 3), dtype=np.uint64)
-    rows[:, 0] = base + np.arange(count, dtype=np.uint64) * length
-    rows[:, 1] = length
-    return rows
-
-
 class _Events(logging.Handler):
     def __init__(self) -> None:
         super().__init__()
@@ -262,7 +248,9 @@ async def disconnect_during_write(backend: str) -> dict:
             assert answer, f"the receiver {exit_description(await receiver.wait())}"
             metadata, address = json.loads(answer)
             metadata = base64.b64decode(metadata)
-            rows = Descriptors(_rows(src.ctypes.data, size // length, length), _rows(address, size // length, length))
+            offsets = np.arange(size // length) * length
+            rows = Descriptors(descriptor_rows(src.ctypes.data, offsets, length),
+                               descriptor_rows(address, offsets, length))
             first, second = await sender.connect(metadata), await sender.connect(metadata)
             seen["same_handle"] = first == second
             await sender.write(second, Descriptors(rows.src[:1], rows.dst[:1]), timeout=30)  # the engines meet

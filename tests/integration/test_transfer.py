@@ -11,26 +11,12 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import ALL, SMALL, assert_bytes, expected_after
-from tests.integration.flows import grant, transfer
+from tests.integration.flows import grant, transfer, watch_all, watch_first
 
 pytestmark = pytest.mark.integration
 
 INDEX_K = [pb.COMPONENT_MINIMAX_INDEX_K]
 MAIN_KV = [pb.COMPONENT_MAIN_KV]
-
-
-async def states(engine, request_id):
-    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=30)
-    return [u.status async for u in call]
-
-
-async def current(engine, request_id):
-    call = engine.stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id),
-                                     timeout=10)
-    first = await call.read()
-    call.cancel()
-    return first.status
 
 
 async def roundtrip(brokers, engines, request_id, components, *, layout="KV_SPLIT", src_comps=None, seed=0):
@@ -132,7 +118,7 @@ async def test_index_k_transfer_rejects_pp_above_one_on_sender(brokers, engines,
                                src_topology=dict(pp_size=2, pp_rank=0))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "PP>1 not supported for MiniMax sparse index" in error.details()
-    final = (await states(dst, request_id))[-1]
+    final = (await watch_all(dst, request_id))[-1]
     assert final.state == pb.TRANSFER_STATE_FAILED and "PP>1" in final.reason
 
 
@@ -192,7 +178,7 @@ async def test_pages_outside_the_grant_are_permission_denied(brokers, engines, r
     error, dst = await refused(brokers, engines, request_id, grant_ids=[1, 2, 3], src_ids=[0, 1],
                                dst_ids=[3, 40])
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "page 40 is outside the grant" in error.details()
-    assert (await current(dst, request_id)).state == pb.TRANSFER_STATE_PENDING  # the grant still stands
+    assert (await watch_first(dst, request_id)).state == pb.TRANSFER_STATE_PENDING  # the grant still stands
 
 
 async def test_components_outside_the_grant_are_permission_denied(brokers, engines, request_id):
@@ -233,7 +219,7 @@ async def test_expired_grant_fails_watchers_and_refuses_late_transfer(brokers, e
     dst = await engines.make(brokers.decode, "decode", fill="canary")
     before = dst.segment.array.copy()
     await grant(dst, request_id, range(4), expiry_ms=50)
-    seen = await states(dst, request_id)  # ends when the grant expires
+    seen = await watch_all(dst, request_id)  # ends when the grant expires
     assert seen[-1].state == pb.TRANSFER_STATE_FAILED and "expired" in seen[-1].reason
     assert seen[-1].code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -304,7 +290,7 @@ async def test_bad_grant_page_ids_are_invalid_argument(brokers, engines, request
 async def test_cancel_a_grant_fails_its_watchers(brokers, engines, request_id):
     dst = await engines.make(brokers.decode, "decode", fill="canary")
     await grant(dst, request_id, range(4))
-    watcher = asyncio.create_task(states(dst, request_id))
+    watcher = asyncio.create_task(watch_all(dst, request_id))
     reply = await dst.stub.CancelTransfer(bpb.CancelTransferRequest(
         engine_id=dst.engine_id, request_id=request_id, reason="decode gave up"), timeout=10)
     assert reply.status.state == pb.TRANSFER_STATE_FAILED
@@ -315,5 +301,5 @@ async def test_cancel_a_grant_fails_its_watchers(brokers, engines, request_id):
 async def test_watch_unknown_request_is_not_found(brokers, engines):
     dst = await engines.make(brokers.decode, "decode", fill="canary")
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await states(dst, "never-granted")
+        await watch_all(dst, "never-granted")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND

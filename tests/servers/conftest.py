@@ -9,7 +9,6 @@ after each case, so cases stay independent though the servers are shared.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -32,8 +31,6 @@ DECODE_ARGS = ("--disaggregation-decode-enable-radix-cache",)
 # A request that lost its peer ends in seconds, not SGLang's default 300.
 SERVER_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
 
-
-_fresh = itertools.count(10_000)
 
 
 def pytest_collection_modifyitems(items):
@@ -59,7 +56,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 class Reference:
-    """The non-PD server and the answers it gave, by prompt."""
+    """The non-PD server and the answers it gave, by prompt; `async with` it to stop the server after."""
 
     def __init__(self, server: stack.ServerProcess, http: aiohttp.ClientSession) -> None:
         self.server = server
@@ -75,14 +72,19 @@ class Reference:
             self._answers[key] = (await client.generate(self._http, self.server.url, prompt, tokens)).output_ids
         return self._answers[key]
 
+    async def __aenter__(self) -> Reference:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.ready.cancel()
+        await self.server.stop()
+
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def reference(model, log_root, http) -> AsyncIterator[Reference]:
     server = await stack.start_server("reference", model, log_root / "reference", wait=False)
-    made = Reference(server, http)
-    yield made
-    made.ready.cancel()
-    await server.stop()
+    async with Reference(server, http) as made:
+        yield made
 
 
 async def start_stack(model: Path, log_dir: Path, engine: str) -> stack.PDStack:
@@ -117,9 +119,9 @@ async def settled(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientS
     held = await until(idle, timeout=90)
     assert held, f"a broker still holds requests: {await brokers_idle(pd)}"
     assert all(h["engines"] == 1 for h in held.values()), f"an engine is missing: {held}"
-    # A prompt no case sent before: decode's radix cache never holds all of it (kvbroker's plugin
-    # refuses a request whose every page decode already holds; see the report of issue 20).
-    prompt = prompt or client.prompts(1, 40, seed=next(_fresh))[0]
+    # The same prompt after every case: from the second on, decode's radix cache holds all of it, and
+    # only the first token's aux row moves (kvbroker_sglang.aux_only).
+    prompt = prompt or client.prompts(1, 40, seed=10_000)[0]
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
     assert answer.output_ids == await reference.answer(prompt)
     assert pd.prefill.alive() and pd.decode.alive()

@@ -216,7 +216,8 @@ async def test_a_server_answers_deterministically_and_the_answer_depends_on_the_
 
     switch = tmp_path / "index-k"
     server = await stack.start_reference(minimax.minimax(), tmp_path, args=minimax.SERVER_ARGS,
-                                         env={"KVBROKER_SERVING_MINIMAX": "1", minimax.CORRUPT_ENV: str(switch)},
+                                         env={"KVBROKER_SERVING_MINIMAX": "1", **minimax.SERVER_ENV,
+                                              minimax.CORRUPT_ENV: str(switch)},
                                          timeout=SERVER_START_S)
     try:
         prompts = client.prompts(3, 24, seed=20)  # 24 tokens: 12 blocks, of which the index K picks 2

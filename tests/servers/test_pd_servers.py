@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.tools.serving import client, stack
-from tests.servers.conftest import ANSWER_TOKENS, CHUNK_TOKENS, settled, start_stack, until
+from tests.servers.conftest import ANSWER_TOKENS, CHUNK_TOKENS, brokers_idle, settled, start_stack, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -62,6 +62,20 @@ async def test_request_whose_prefix_decode_holds(pd, reference, http):
     answer = await client.generate(http, pd.url, longer, ANSWER_TOKENS)
     assert answer.meta.get("cached_tokens", 0) > 0, f"decode found no prefix: {answer.meta}"
     assert answer.output_ids == await reference.answer(longer)
+    await settled(pd, reference, http)
+
+
+async def test_request_whose_whole_prompt_decode_holds(pd, reference, http):
+    """The same prompt twice: decode's radix cache holds every token of it the second time, so no page
+    moves, only the first token (SGLang's zero-page last chunk)."""
+    prompt = client.prompts(1, 2 * CHUNK_TOKENS + 3, seed=9)[0]
+    answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+    assert answer.output_ids == await reference.answer(prompt)
+    before = await brokers_idle(pd)
+    again = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+    assert again.output_ids == answer.output_ids
+    # no grant and no Transfer: neither broker counted a request for it
+    assert await brokers_idle(pd) == before, "the second request moved pages: decode did not hold the whole prompt"
     await settled(pd, reference, http)
 
 

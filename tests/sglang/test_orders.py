@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
-from tests.sglang.test_end_to_end import (
+from tests.sglang.pair import (
     CHUNKS,
     PAGES,
     POLL_TIMEOUT_S,
@@ -36,6 +36,7 @@ from tests.sglang.test_end_to_end import (
     failure,
     make_pair,
     new_request,
+    polls,
     send_chunk,
     send_decode_metadata,
     snapshot,
@@ -132,9 +133,7 @@ def until(predicate, what: str, timeout: float = POLL_TIMEOUT_S) -> None:
 
 
 def _poll(name: str):
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    return getattr(KVPoll, name)
+    return polls(name)[0]
 
 
 def _finish(pair, sender: Watched, receiver: Watched, request) -> None:

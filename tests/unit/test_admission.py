@@ -19,6 +19,7 @@ from kvbroker.edge.admission import (
     PeerReads,
     RequestLimits,
     SlotTimeout,
+    leading_id,
     peer_host,
 )
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -171,3 +172,12 @@ async def test_a_call_that_gets_no_turn_within_the_wait_is_refused_and_one_that_
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(holder, 5)
     assert not reads._hosts
+
+
+def test_a_command_streams_message_names_its_command_id_in_its_first_bytes():
+    """A refused Exchange message is answered under its command_id, read without parsing the message."""
+    for command_id in (0, 1, 127, 128, 300, 1 << 40, (1 << 64) - 1):
+        message = bpb.ExchangeRequest(command_id=command_id, transfer=bpb.TransferRequest(request_id="r"))
+        expected = command_id if command_id else None  # 0 is not written: such a refusal ends the stream
+        assert leading_id(message.SerializeToString()) == expected
+    assert leading_id(b"") is None and leading_id(b"\x1a\x00") is None and leading_id(b"\x08\xff") is None

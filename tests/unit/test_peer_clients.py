@@ -9,7 +9,6 @@ import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 
-import grpc
 import pytest_asyncio
 
 from kvbroker.backends.base import Backend
@@ -29,6 +28,7 @@ from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import until
+from tests.helpers import peer_service
 
 TIMEOUT = 5.0
 IDLE_S = 0.5
@@ -92,24 +92,12 @@ class CountingBackend(Backend):
         return peer in self.busy
 
 
-@contextlib.asynccontextmanager
-async def serving(peer: ScriptedPeer) -> AsyncIterator[str]:
-    server = grpc.aio.server()
-    ppb_grpc.add_PeerServiceServicer_to_server(peer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(0)
-
-
 @pytest_asyncio.fixture
 async def peers() -> AsyncIterator[list[tuple[ScriptedPeer, str]]]:
     """Three scripted peer brokers, each at its own address."""
     async with contextlib.AsyncExitStack() as stack:
         made = [ScriptedPeer(f"p{n}") for n in range(3)]
-        yield [(peer, await stack.enter_async_context(serving(peer))) for peer in made]
+        yield [(peer, await stack.enter_async_context(peer_service(peer))) for peer in made]
 
 
 class Sender(PeerClients):

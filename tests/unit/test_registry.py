@@ -21,6 +21,7 @@ from kvbroker.core.model import (
 from kvbroker.core.validation import validate_spec
 from kvbroker.flows.registry import Registry
 from kvbroker_client.shm import SharedSegment
+from tests import helpers
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 
@@ -38,9 +39,7 @@ def index_k(*buffers, num_pages=16):
 
 
 def refusal(s: EngineSpec) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        validate_spec(s, max_pages=1 << 20)
-    return info.value
+    return helpers.refusal(validate_spec, s, max_pages=1 << 20)
 
 
 def test_a_valid_spec_passes():
@@ -86,9 +85,7 @@ def segment():
 
 
 def build_refusal(registry: Registry, s: EngineSpec) -> BrokerError:
-    with pytest.raises(BrokerError) as info:
-        registry.build(s)
-    return info.value
+    return helpers.refusal(registry.build, s)
 
 
 def test_missing_segment_is_invalid_argument():

@@ -52,8 +52,15 @@ LOCAL = 1
 # What a server of this model needs in its environment besides the serving stack's own:
 # MiniMaxM3MoE's router GEMM asks torch.mm for float32 output from bfloat16 inputs, which has no
 # CPU kernel; with this off the gate's weight is float32 and a plain matmul runs.
+# TORCH_COMPILE_DISABLE: the experts' activation (swiglu_alpha / swiglu_limit, as MiniMax-M3's) is a
+# torch.compile'd function (moe_runner/triton_utils/fused_moe.py, swiglu_gpt_oss_sigmoid_alpha); on CPU
+# each new shape costs an inductor C++ build, tens of seconds on 2 busy cores, inside a request: a
+# server's first /health_generate (one token) was seen to wait 70-180 s for it, longer than SGLang's
+# 20 s health timeout again and again, and three such servers starting together past any start-up
+# bound. Eager, the same arithmetic runs at once in every server.
 SERVER_ENV = {
     "SGLANG_OPT_USE_BF16_ROUTER_GEMM": "0",
+    "TORCH_COMPILE_DISABLE": "1",
 }
 
 # Server flags the model needs besides the CPU ones (--device cpu --attention-backend torch_native ...).

@@ -21,6 +21,14 @@ The claimed flow, where the sender names the receiver:
 
     await client.cancel(...), await client.info(), await client.unregister_engine(...), await client.close()
 
+The command stream: `transfer_part`, `transfer`, `expect_transfer`, `watch` and `wait` go as
+commands on one long-lived Exchange stream to the broker (exchange.py) rather than a call each,
+when the broker offers it; a broker without it (UNIMPLEMENTED) gets the unary RPCs, as does
+`BrokerClient(..., exchange=False)`. Each command is checked and answered as its unary RPC is. A
+stream that breaks fails the commands in flight on it with Unavailable (retried as the unary
+calls are, below), the next call opens a new one, and a watch in flight is made again on it: the
+broker fails the requests the broken stream carried (CANCELLED), and the watch reports that.
+
 Every call has a deadline: `timeout` (unary calls) or `transfer_timeout` (transfer, watch, wait)
 unless the call passes its own; it bounds the whole call, reconnection included. Failures raise
 the typed errors of `kvbroker_client.errors`.
@@ -65,6 +73,7 @@ from kvbroker_client.errors import (
     from_rpc_error,
     from_status,
 )
+from kvbroker_client.exchange import Exchange, ExchangeUnsupported, StreamBroken
 from kvbroker_client.model import (
     BrokerInfo,
     Component,
@@ -98,6 +107,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
 ComponentLike = Component | int | str
 _OWNERSHIP = {"server": bpb.MEMORY_OWNERSHIP_SERVER, "broker": bpb.MEMORY_OWNERSHIP_BROKER}
 PageIds = Sequence[int] | np.ndarray
+EXCHANGED = {"Transfer": "transfer", "ExpectTransfer": "expect"}  # the unary RPCs the Exchange stream carries
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -133,9 +143,10 @@ class BrokerClient:
     def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT_S,
                  transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT_S,
                  channel_options: Sequence[tuple[str, object]] = (), session: bool = True,
-                 holder: str = "") -> None:
+                 holder: str = "", exchange: bool = True) -> None:
         """`session`: hold registered engines by a session (see the module's map); `holder` names this
-        process in the broker's logs and GetBrokerInfo (default: host and pid)."""
+        process in the broker's logs and GetBrokerInfo (default: host and pid); `exchange`: send
+        transfers, grants and watches on the Exchange stream when the broker offers it."""
         self.target = target
         self.timeout = timeout
         self.transfer_timeout = transfer_timeout
@@ -143,6 +154,7 @@ class BrokerClient:
         options.update(channel_options)
         self._channel = grpc.aio.insecure_channel(target, options=list(options.items()))
         self._stub = bpb_grpc.BrokerServiceStub(self._channel)
+        self.exchange = Exchange(self._stub, target) if exchange else None
         self._engines: dict[str, bpb.RegisterEngineRequest] = {}  # what to register again after a restart
         self._lost: set[str] = set()  # broker-owned engines a restart took with it
         self._epoch: int | None = None
@@ -177,6 +189,8 @@ class BrokerClient:
             rejoin.cancel()
             await asyncio.gather(rejoin, return_exceptions=True)
         await self._end_session()
+        if self.exchange is not None:
+            await self.exchange.close()
         await self._channel.close()
 
     async def __aenter__(self) -> BrokerClient:
@@ -372,8 +386,15 @@ class BrokerClient:
         A stream the broker cuts (it stopped before the request ended) raises Unavailable.
         """
         deadline = self._deadline(timeout, self.transfer_timeout)
-        call = self._stub.WatchTransfer(bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id),
-                                        timeout=self._remaining(deadline))
+        request = bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id)
+        if self._exchanged():
+            try:
+                async for status in self._watch_exchanged(request, deadline):
+                    yield status
+                return
+            except ExchangeUnsupported:
+                pass
+        call = self._stub.WatchTransfer(request, timeout=self._remaining(deadline))
         try:
             async for reply in call:
                 yield TransferStatus.from_proto(reply.status)
@@ -385,6 +406,24 @@ class BrokerClient:
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()
+
+    def _exchanged(self) -> bool:
+        return self.exchange is not None and self.exchange.supported is not False
+
+    async def _watch_exchanged(self, request: bpb.WatchTransferRequest,
+                               deadline: float) -> AsyncIterator[TransferStatus]:
+        """A watch on the Exchange stream; made again once on a new stream if this one breaks, so
+        that the caller sees how the broker ended the request the broken stream carried."""
+        assert self.exchange is not None
+        for attempt in range(2):
+            try:
+                async for reply in self.exchange.watch(request, self._remaining(deadline)):
+                    yield TransferStatus.from_proto(reply)
+                return
+            except StreamBroken as exc:
+                if attempt:
+                    raise Unavailable(str(exc)) from None
+                log.warning("%s; watching request %s again", exc, request.request_id)
 
     async def wait(self, engine_id: str, request_id: str, *, timeout: float | None = None) -> TransferStatus:
         """Wait for the request to end: its status when SUCCEEDED, else the typed error of its failure."""
@@ -418,11 +457,14 @@ class BrokerClient:
         """One unary call; after a broker restart (see the module's map) it is retried once."""
         seen = self._epoch
         try:
-            return await getattr(self._stub, method)(request, timeout=self._remaining(deadline),
-                                                     wait_for_ready=wait_for_ready)
+            return await self._call(method, request, deadline, wait_for_ready)
         except grpc.aio.AioRpcError as exc:
             error = from_rpc_error(exc)
             code = exc.code()
+        except Unavailable as exc:  # the Exchange stream broke under the command, or the broker refused it
+            error, code = exc, exc.code
+        except NotFound as exc:
+            error, code = exc, exc.code
         may_be_restart = code is grpc.StatusCode.UNAVAILABLE or (
             code is grpc.StatusCode.NOT_FOUND and bool(self._engines))
         if not (may_be_restart and await self._recover(deadline, since=seen)):
@@ -430,9 +472,27 @@ class BrokerClient:
         if code is grpc.StatusCode.UNAVAILABLE and not retry_unavailable:
             raise error
         try:
-            return await getattr(self._stub, method)(request, timeout=self._remaining(deadline))
+            return await self._call(method, request, deadline)
         except grpc.aio.AioRpcError as exc:
             raise self._explain_lost(from_rpc_error(exc), request) from None
+        except NotFound as exc:
+            raise self._explain_lost(exc, request) from None
+
+    async def _call(self, method: str, request, deadline: float, wait_for_ready: bool = False):
+        """The call on the Exchange stream when it carries `method` and the broker offers it, else unary.
+        Either way the reply is the unary RPC's response message."""
+        if method in EXCHANGED and self._exchanged():
+            assert self.exchange is not None
+            kind = EXCHANGED[method]
+            try:
+                reply = await self.exchange.command(kind, request, self._remaining(deadline))
+                return getattr(reply, kind)
+            except StreamBroken as exc:
+                raise Unavailable(str(exc)) from None
+            except ExchangeUnsupported:
+                log.info("broker %s has no Exchange stream; using its unary RPCs", self.target)
+        return await getattr(self._stub, method)(request, timeout=self._remaining(deadline),
+                                                 wait_for_ready=wait_for_ready)
 
     def _explain_lost(self, error: BrokerError, request) -> BrokerError:
         engine_id = getattr(request, "engine_id", "")

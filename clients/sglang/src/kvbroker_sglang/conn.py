@@ -19,6 +19,10 @@ a metadata frame over SGLang's ZMQ control socket (`wire`).
             decode's abort ack (SGLang's deferred release). The broker's answer is the failure:
             its code and reason, whichever side or broker ended the request
 
+    both    a request whose whole prompt decode holds has no page to grant: kvbroker_sglang.aux_only
+    prefill a room that ended before decode's offer reached this broker is remembered (`_ended_early`):
+            the late offer is cancelled at once, so decode fails then, not at SGLang's waiting timeout
+
     KvbrokerKVManager, KvbrokerKVSender, KvbrokerKVReceiver, KvbrokerKVBootstrapServer
     Settings (environment: KVBROKER_ADDRESS, KVBROKER_ENGINE_PREFIX, ...)
 """
@@ -33,6 +37,7 @@ import re
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,14 +59,18 @@ from sglang.srt.runtime_context import get_parallel
 from kvbroker_client import BrokerClient, BrokerError, Component, NotFound, TransferState, TransferStatus
 from kvbroker_client.errors import DeadlineExceeded
 from kvbroker_sglang.aux import AuxError, decode_aux, encode_aux, write_aux
+from kvbroker_sglang.aux_only import AuxOnlyRequests
 from kvbroker_sglang.layout import engine_components, engine_topology, state_component_of
 from kvbroker_sglang.loop import LoopThread
 from kvbroker_sglang.memory import MemoryExporter, NotExportable
-from kvbroker_sglang.wire import METADATA_TAG, REGISTER_TAG, Metadata, Registration, WireError
+from kvbroker_sglang.wire import METADATA_TAG, OUTCOME_TAG, REGISTER_TAG, Metadata, Outcome, Registration, WireError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "unix:/run/kvbroker/kvbroker.sock"
+# Prefill: how many rooms that ended before decode's frame came are remembered. Rooms are random
+# 63-bit ids, so only a frame later than this many such endings finds none (and waits out its expiry).
+ENDED_EARLY_ROOMS = 4096
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,9 @@ class _Room:
     parts_sent: int = 0  # prefill: parts handed to the loop; only they read the room's pages
     final: TransferStatus | None = None  # prefill: the broker's SUCCEEDED status (bytes moved)
     succeeded_at: float | None = None  # prefill: when it arrived (time.perf_counter)
+    aux_only: bool = False  # decode holds the whole prompt: no grant, the aux row comes as an Outcome frame
+    endpoint: str = ""  # prefill, aux-only: decode's control address, where the Outcome goes
+    told: bool = False  # prefill, aux-only: the Outcome went
 
 
 def _failure(error: BrokerError | TransferStatus) -> tuple[str, object]:
@@ -130,7 +142,7 @@ def _failure(error: BrokerError | TransferStatus) -> tuple[str, object]:
     return f"kvbroker {getattr(code, 'name', code)}: {error.reason}", code
 
 
-class KvbrokerKVManager(CommonKVManager):
+class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
     """One SGLang rank's engine on its broker, and the requests it moves (see the module's map)."""
 
     # Deferred decode KV release: the broker's cancel answering stands for the prefill's drain ACK.
@@ -148,12 +160,13 @@ class KvbrokerKVManager(CommonKVManager):
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self.peers_changed = threading.Condition()  # prefill: notified when a decode rank registers
+        self._ended_early: OrderedDict[int, str] = OrderedDict()  # prefill: room -> why, no frame came before
         try:
             super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
             self._open()  # prefill opened it already, to PUT its broker on /route
-            if disaggregation_mode == DisaggregationMode.PREFILL:
-                self._start_thread(self._control_loop, "kvbroker control")
-            else:
+            # prefill: decode's frames; decode: prefill's Outcome frames (aux-only requests)
+            self._start_thread(self._control_loop, "kvbroker control")
+            if disaggregation_mode == DisaggregationMode.DECODE:
                 self._threads.append(self._start_heartbeat_checker_thread())
         except BaseException:
             self.close()
@@ -223,9 +236,15 @@ class KvbrokerKVManager(CommonKVManager):
         if self.loop is not None:
             client = self.client
             self.loop.close(before_stop=client.close() if client is not None else None)
-        socket_ = getattr(self, "server_socket", None)
-        if socket_ is not None:
-            socket_.close(linger=0)
+        # The PUSH sockets (and their monitors) SGLang's _connect cached: aux-only outcomes to decode;
+        # an open one would block the ZMQ context's term() when the manager is collected.
+        with getattr(self, "_socket_lock", threading.Lock()):
+            cached = [*getattr(self, "_socket_cache", {}).values(), *getattr(self, "_monitor_cache", {}).values()]
+            for table in ("_socket_cache", "_monitor_cache"):
+                getattr(self, table, {}).clear()
+        for socket_ in [*cached, getattr(self, "server_socket", None)]:
+            if socket_ is not None:
+                socket_.close(linger=0)
 
     # -- bootstrap (prefill): the /route row carries the broker ---------------------------------
     def _register_topology_row(self, url: str, payload: dict) -> None:
@@ -240,10 +259,11 @@ class KvbrokerKVManager(CommonKVManager):
                             tuple(int(x) for x in self.kv_args.aux_item_lens)).to_frames()
 
     def build_receiver_metadata_message(self, *, bootstrap_room, required_dst_info_num, kv_indices, aux_index,
-                                        state_indices, decode_prefix_len, is_dummy, device_kv_indices=None):
+                                        state_indices, decode_prefix_len, is_dummy, device_kv_indices=None,
+                                        aux_only: bool = False):
         return Metadata(int(bootstrap_room), f"{self.local_ip}:{self.rank_port}", self.engine_id,
                         int(required_dst_info_num), int(decode_prefix_len or 0), bool(is_dummy),
-                        self.broker_id).to_frames()
+                        self.broker_id, aux_only).to_frames()
 
     # -- request state, shared by the scheduler, the control thread and the loop ----------------
     def room(self, room: int) -> _Room:
@@ -254,7 +274,10 @@ class KvbrokerKVManager(CommonKVManager):
         with self._rooms_lock:
             super().update_status(bootstrap_room, status)
         if status == KVPoll.Failed:
-            self.cancel_room(bootstrap_room, self.failure_records.get(bootstrap_room, "request failed"))
+            reason = self.failure_records.get(bootstrap_room, "request failed")
+            self.cancel_room(bootstrap_room, reason)
+            if self.disaggregation_mode == DisaggregationMode.PREFILL:
+                self.tell_decode(bootstrap_room, Outcome(bootstrap_room, failure=reason))
 
     def fail(self, room: int, reason: str, code=None) -> None:
         """Record the first root cause of a room's failure (and the broker's code) and mark it Failed."""
@@ -378,6 +401,8 @@ class KvbrokerKVManager(CommonKVManager):
             self.check_peer_aux_buffer_count(registration.endpoint, len(registration.aux_item_lens))
         elif tag == METADATA_TAG:
             self._on_metadata(Metadata.from_frames(frames))
+        elif tag == OUTCOME_TAG:
+            self.on_outcome(Outcome.from_frames(frames))
         elif tag == ABORT_TAG:
             notification = AbortNotification.from_zmq(frames)
             if notification is not None:
@@ -401,6 +426,13 @@ class KvbrokerKVManager(CommonKVManager):
     def _on_metadata(self, meta: Metadata) -> None:
         room = meta.room
         with self._rooms_lock:
+            ended = self._ended_early.pop(room, None)
+            if ended is None and self.request_status.get(room) == KVPoll.Failed:
+                ended = self.failure_records.get(room, "the prefill side failed the request")
+        if ended is not None:
+            self._refuse_late_offer(room, meta, ended)
+            return
+        with self._rooms_lock:
             # Decode's frame may come before SGLang makes the room's KVSender: the router posts the
             # request to both servers at once. SGLang lets the frame open the room (update_status
             # creates it only in an opening state); the sender, when it comes, joins it.
@@ -413,6 +445,10 @@ class KvbrokerKVManager(CommonKVManager):
             real = [info for info in infos.values() if not info.is_dummy]
         if not real:
             self.update_status(room, KVPoll.WaitingForInput)
+        elif real[0].aux_only and len(real) == 1:
+            state = self.room(room)  # no offer to watch: the last chunk answers decode with an Outcome
+            state.aux_only, state.endpoint = True, real[0].endpoint
+            self.update_status(room, KVPoll.WaitingForInput)
         elif len(real) > 1:
             self.fail(room, f"kvbroker moves a request from one prefill rank into one decode rank; {len(real)} "
                             "decode ranks asked this rank for it (decode attention TP above prefill's)")
@@ -423,6 +459,43 @@ class KvbrokerKVManager(CommonKVManager):
             self.update_status(room, KVPoll.WaitingForInput)
             state = self.room(room)
             state.task = self.loop.spawn(self._watch_offer(room), name=f"watch {room}")
+
+    def _refuse_late_offer(self, room: int, meta: Metadata, reason: str) -> None:
+        """Decode's frame for a room this rank already ended: its offer came after the room's cancel (which
+        found nothing to cancel then), so it is cancelled now and decode's grant fails at once."""
+        log.info("kvbroker: request %s ended here before decode's offer came (%s); cancelling the offer", room,
+                 reason)
+        if meta.aux_only:
+            with self._rooms_lock:
+                state = self.room(room)
+                state.aux_only, state.endpoint = True, meta.endpoint
+            self.tell_decode(room, Outcome(room, failure=reason))
+            with self._rooms_lock:
+                if not state.has_sender:
+                    self._rooms.pop(room, None)
+            return
+        if self.loop is None or self.client is None:
+            return
+
+        async def cancel() -> None:
+            try:
+                await self.client.cancel(self.engine_id, str(room), reason[:512], timeout=self.settings.call_timeout_s)
+            except BrokerError as exc:  # NOT_FOUND too: decode withdrew it meanwhile
+                log.info("kvbroker: cancelling the late offer of request %s: %s", room, exc)
+
+        self.loop.spawn(cancel(), name=f"refuse {room}")
+
+    def ended_before_decode(self, room: int) -> None:
+        """Prefill: SGLang clears a room that did not succeed; if decode's frame never came, its offer may
+        still come: remember why the room ended."""
+        with self._rooms_lock:
+            if room in self.transfer_infos or self.request_status.get(room) == KVPoll.Success:
+                return
+            with self.failure_lock:
+                reason = self.failure_records.get(room, "the prefill side ended the request")
+            self._ended_early[room] = reason
+            while len(self._ended_early) > ENDED_EARLY_ROOMS:
+                self._ended_early.popitem(last=False)
 
     async def _watch_offer(self, room: int) -> None:
         await self._follow(room, sender=True)
@@ -465,6 +538,9 @@ class KvbrokerKVManager(CommonKVManager):
             if is_last_chunk:
                 self.update_status(room, KVPoll.Success)
             return
+        if self.room(room).aux_only:
+            self._send_aux_only(room, kv_indices, is_last_chunk, aux_index, state_indices)
+            return
         pages: dict[Component, np.ndarray] = {}
         if len(kv_indices):
             pages[Component.MAIN_KV] = np.asarray(kv_indices, dtype=np.int64).copy()
@@ -480,6 +556,16 @@ class KvbrokerKVManager(CommonKVManager):
         state.parts_sent += 1
         part = _Part(pages, int(index_slice.start), bool(is_last_chunk), aux, wait_event or indices_event)
         self.loop.spawn(self._send_part(room, state, part), name=f"part {room}@{part.dst_offset}")
+
+    def _send_aux_only(self, room: int, kv_indices, is_last_chunk: bool, aux_index, state_indices) -> None:
+        sent = len(kv_indices) + sum(len(x) for x in state_indices or () if x is not None)
+        if sent:
+            self.fail(room, f"decode holds the whole prompt and granted no page, but prefill sent {sent} page ids "
+                            "for it")
+        elif is_last_chunk:
+            aux = b"" if aux_index is None else encode_aux(self.kv_args.aux_data_ptrs, self.kv_args.aux_item_lens,
+                                                           int(aux_index))
+            self.tell_decode(room, Outcome(room, aux=aux))
 
     async def _send_part(self, room: int, state: _Room, part: _Part) -> None:
         if state.lock is None:
@@ -586,11 +672,16 @@ class KvbrokerKVManager(CommonKVManager):
             self.update_status(room, KVPoll.Success)
 
     def _land_aux(self, room: int, status: TransferStatus) -> None:
+        if self.write_aux(room, status.aux):
+            self.update_status(room, KVPoll.Success)
+
+    def write_aux(self, room: int, aux: bytes) -> bool:
+        """Decode: prefill's aux rows into this room's metadata slot; False (the room failed) if they do not fit."""
         state = self._rooms.get(room)
         index = None if state is None else state.aux_index
         if index is not None:
             try:
-                rows = decode_aux(status.aux)
+                rows = decode_aux(aux)
                 if len(rows) != len(self.kv_args.aux_data_ptrs):
                     log.warning("kvbroker: request %s: prefill sent %d aux rows, this rank has %d buffers; the "
                                 "first %d are written", room, len(rows), len(self.kv_args.aux_data_ptrs),
@@ -601,8 +692,8 @@ class KvbrokerKVManager(CommonKVManager):
                 write_aux(rows, self.kv_args.aux_data_ptrs, items, index)
             except AuxError as exc:
                 self.fail(room, f"kvbroker aux: {exc}")
-                return
-        self.update_status(room, KVPoll.Success)
+                return False
+        return True
 
 
 class KvbrokerKVSender(CommonKVSender):
@@ -650,6 +741,7 @@ class KvbrokerKVSender(CommonKVSender):
 
     def clear(self) -> None:
         self.kv_mgr.cancel_unfinished(self.bootstrap_room)
+        self.kv_mgr.ended_before_decode(self.bootstrap_room)
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
 
@@ -695,15 +787,16 @@ class KvbrokerKVReceiver(CommonKVReceiver):
             pages[state_component_of(self.kv_mgr.kv_args, i)] = np.asarray(indices, dtype=np.int64).reshape(-1)
         # A component with no pages (decode's prefix holds all the main KV and index K) is not
         # granted: prefill sends none of it, and the broker grants only page lists it can fill.
+        # With none at all (decode holds the whole prompt), only the aux row moves: aux_only.
         pages = {component: ids for component, ids in pages.items() if ids.size}
-        if not pages:
-            self.kv_mgr.fail(room, "kvbroker: SGLang gave no pages for any component of the request")
-            return
         deliveries = [(info, self.kv_mgr.build_receiver_metadata_message(
             bootstrap_room=room, required_dst_info_num=self.required_dst_info_num, kv_indices=kv_indices,
             aux_index=aux_index, state_indices=state_indices, decode_prefix_len=decode_prefix_len,
-            is_dummy=bool(info.get("is_dummy")))) for info in self.bootstrap_infos]
-        self.kv_mgr.offer(self, target, pages, deliveries, aux_index)
+            is_dummy=bool(info.get("is_dummy")), aux_only=not pages)) for info in self.bootstrap_infos]
+        if pages:
+            self.kv_mgr.offer(self, target, pages, deliveries, aux_index)
+        else:
+            self.kv_mgr.expect_aux_only(self, deliveries, aux_index)
         self.init_time = time.time()
 
     def poll(self) -> KVPoll:

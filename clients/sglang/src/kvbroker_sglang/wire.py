@@ -1,4 +1,4 @@
-"""The two frames a kvbroker decode rank pushes to a prefill rank over SGLang's ZMQ control socket.
+"""The frames kvbroker's ranks push to each other over SGLang's ZMQ control sockets.
 
 Where Mooncake's frames carry raw pointers and a transfer-engine session, kvbroker's carry who the
 decode rank is (its broker and engine) and what the prefill side cannot learn from the offer its
@@ -8,18 +8,23 @@ broker already holds: the decode's cached prefix, which sets where prefill start
                   address, engine id, attention TP, aux row lengths
     Metadata      once per request, after decode's broker has offered the grant: the room, how many
                   decode ranks take part, decode_prefix_len, whether this prefill rank only pretends,
-                  and decode's broker id, which prefill's parts name as their receiver
+                  and decode's broker id, which prefill's parts name as their receiver; `aux_only`
+                  when decode already holds the whole prompt (no grant: only the aux row moves)
+    Outcome       prefill to decode, for an aux-only request alone: its aux rows, or why it failed
+                  (the broker has no record of such a request to carry either)
 
 Each frame is a list of byte strings whose first is the tag; `from_frames` refuses anything else.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import asdict, dataclass
 
 REGISTER_TAG = b"KVBROKER_REGISTER"
 METADATA_TAG = b"KVBROKER_METADATA"
+OUTCOME_TAG = b"KVBROKER_OUTCOME"
 WIRE_VERSION = 1
 
 
@@ -73,6 +78,7 @@ class Metadata:
     decode_prefix_len: int  # tokens decode already holds; prefill starts sending after them
     is_dummy: bool  # this prefill rank sends nothing for the room (MLA with prefill TP > decode TP)
     broker_id: str = ""  # decode's broker: prefill's parts name it (receiver_broker_id); "" from older decodes
+    aux_only: bool = False  # decode holds every page: no grant was offered; prefill answers with an Outcome
 
     def to_frames(self) -> list[bytes]:
         return [METADATA_TAG, str(WIRE_VERSION).encode(), json.dumps(asdict(self)).encode()]
@@ -83,6 +89,25 @@ class Metadata:
         try:
             return cls(int(body["room"]), str(body["endpoint"]), str(body["engine_id"]),
                        int(body["required_dst_info_num"]), int(body["decode_prefix_len"]), bool(body["is_dummy"]),
-                       str(body.get("broker_id", "")))
+                       str(body.get("broker_id", "")), bool(body.get("aux_only", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"metadata frame: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    room: int
+    aux: bytes = b""  # kvbroker_sglang.aux's encoding of prefill's aux rows, when it succeeded
+    failure: str = ""  # why the request failed on prefill; "" when it succeeded
+
+    def to_frames(self) -> list[bytes]:
+        body = {"room": self.room, "aux": base64.b64encode(self.aux).decode(), "failure": self.failure}
+        return [OUTCOME_TAG, str(WIRE_VERSION).encode(), json.dumps(body).encode()]
+
+    @classmethod
+    def from_frames(cls, frames: list[bytes]) -> Outcome:
+        body = _decode(frames, OUTCOME_TAG)
+        try:
+            return cls(int(body["room"]), base64.b64decode(body["aux"], validate=True), str(body["failure"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"outcome frame: {exc!r}") from None

@@ -76,6 +76,11 @@ class BrokerServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_broker__service__pb2.GetBrokerInfoRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.GetBrokerInfoResponse.FromString,
                 _registered_method=True)
+        self.Exchange = channel.stream_stream(
+                '/kvbroker.v1.BrokerService/Exchange',
+                request_serializer=kvbroker_dot_v1_dot_broker__service__pb2.ExchangeRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.ExchangeResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServiceServicer:
@@ -142,6 +147,23 @@ class BrokerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exchange(self, request_iterator, context):
+        """One long-lived command stream between an inference server and its broker: Transfer parts,
+        ExpectTransfer grants and WatchTransfer subscriptions as messages, each answered on the way back
+        under the id the client gave it, so that a request pays no call set-up per part or watch. Each
+        command is checked and run exactly as its unary RPC (same codes, same messages); commands run
+        concurrently, at most the broker's max_exchange_commands at once per stream (more are refused
+        RESOURCE_EXHAUSTED, each on its own). When the stream ends, for any reason, every request an
+        ExpectTransfer or a Transfer on it created or fed and that has not ended fails CANCELLED, as
+        CancelTransfer fails it (its peer is told). A message refused before it is read (too large,
+        too many page ids, not parsable) is answered with its refusal under its command_id, which must
+        lead the message (protobuf writes field 1 first); one whose command_id cannot be read ends the
+        stream with that status. A broker without this RPC answers UNIMPLEMENTED: use the unary ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -184,6 +206,11 @@ def add_BrokerServiceServicer_to_server(servicer, server):
                     servicer.GetBrokerInfo,
                     request_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.GetBrokerInfoRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_broker__service__pb2.GetBrokerInfoResponse.SerializeToString,
+            ),
+            'Exchange': grpc.stream_stream_rpc_method_handler(
+                    servicer.Exchange,
+                    request_deserializer=kvbroker_dot_v1_dot_broker__service__pb2.ExchangeRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_broker__service__pb2.ExchangeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -403,6 +430,33 @@ class BrokerService:
             '/kvbroker.v1.BrokerService/GetBrokerInfo',
             kvbroker_dot_v1_dot_broker__service__pb2.GetBrokerInfoRequest.SerializeToString,
             kvbroker_dot_v1_dot_broker__service__pb2.GetBrokerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exchange(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvbroker.v1.BrokerService/Exchange',
+            kvbroker_dot_v1_dot_broker__service__pb2.ExchangeRequest.SerializeToString,
+            kvbroker_dot_v1_dot_broker__service__pb2.ExchangeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,200 @@
+"""The client's end of BrokerService.Exchange: one long-lived command stream to the local broker.
+
+`Exchange` is BrokerClient's, which sends its Transfer and ExpectTransfer calls and its watches here
+while the broker offers the stream:
+- `command(kind, request, timeout)`: one command (kind "transfer" or "expect"), its reply message,
+  or the typed error (kvbroker_client.errors) of the ExchangeError the broker answered;
+- `watch(request, timeout)`: the statuses of one request, ending after a terminal one;
+- `close()`.
+Each command goes out under an id of its own, and one reader task hands each reply to its caller.
+When the stream breaks (the broker went, or drained), every command in flight raises StreamBroken
+(an Unavailable: its outcome is unknown), and the next command opens a new stream; the broker fails
+the requests the broken stream carried (CANCELLED), which a watch made again on the new stream
+sees. A broker without the RPC answers UNIMPLEMENTED: `supported` turns False and every caller
+raises ExchangeUnsupported, for BrokerClient to use the unary RPCs instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvbroker_client.errors import DeadlineExceeded, error_for_code, from_rpc_error
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+from kvbroker_client.v1 import common_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_TERMINAL = (pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StreamBroken(Exception):
+    """The Exchange stream ended while the command was in flight: its outcome is unknown. BrokerClient
+    raises it as Unavailable."""
+
+
+class ExchangeUnsupported(Exception):
+    """The broker has no Exchange RPC (UNIMPLEMENTED): use the unary RPCs."""
+
+
+class Exchange:
+    def __init__(self, stub: bpb_grpc.BrokerServiceStub, target: str) -> None:
+        self._stub = stub
+        self._target = target
+        self.supported: bool | None = None  # None until the broker answered a first command
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._reader: asyncio.Task | None = None
+        self._open_lock = asyncio.Lock()
+        self._write_lock = asyncio.Lock()  # grpc takes one write at a time
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[bpb.ExchangeResponse]] = {}
+        self._watches: dict[int, asyncio.Queue[bpb.ExchangeResponse | BaseException]] = {}
+        self.streams_opened = 0
+
+    async def command(self, kind: str, request, timeout: float) -> bpb.ExchangeResponse:
+        """Send one command and wait up to `timeout` for its reply."""
+        command_id = next(self._ids)
+        future: asyncio.Future[bpb.ExchangeResponse] = asyncio.get_running_loop().create_future()
+        self._pending[command_id] = future
+        try:
+            await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout), **{kind: request}),
+                             timeout)
+            try:
+                reply = await asyncio.wait_for(future, timeout)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no answer to the {kind} command within {timeout:.3g}s") from None
+        finally:
+            self._pending.pop(command_id, None)
+        if reply.WhichOneof("reply") == "error":
+            raise _error(reply.error)
+        return reply
+
+    async def ping(self, timeout: float, payload: bytes = b"") -> None:
+        """A bare message and its answer (the stream's own cost)."""
+        await self.command("ping", bpb.ExchangePing(payload=payload), timeout)
+
+    async def watch(self, request: bpb.WatchTransferRequest, timeout: float) -> AsyncIterator[bpb.TransferStatus]:
+        """The request's statuses on this stream, until a terminal one; StreamBroken if it breaks first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        command_id = next(self._ids)
+        queue: asyncio.Queue[bpb.ExchangeResponse | BaseException] = asyncio.Queue()
+        self._watches[command_id] = queue
+        try:
+            await self._send(bpb.ExchangeRequest(command_id=command_id, watch=request), timeout)
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise DeadlineExceeded(f"the watch of request {request.request_id!r} did not end within "
+                                           f"{timeout:.3g}s") from None
+                if isinstance(item, BaseException):
+                    raise item
+                if item.WhichOneof("reply") == "error":
+                    raise _error(item.error)
+                yield item.watch.status
+                if item.watch.status.state in _TERMINAL:
+                    return
+        finally:
+            self._watches.pop(command_id, None)
+
+    async def _send(self, message: bpb.ExchangeRequest, timeout: float) -> None:
+        if self.supported is False:
+            raise ExchangeUnsupported()
+        call = self._call or await self._open(timeout)
+        try:
+            async with self._write_lock:
+                await call.write(message)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+            # the stream ended under the write: the reader tells every caller why, this one included
+            if self._reader is not None and not self._reader.done():
+                await asyncio.wait([self._reader], timeout=1.0)
+            if self.supported is False:
+                raise ExchangeUnsupported() from None
+            raise StreamBroken(f"the Exchange stream to {self._target} ended: {exc}") from None
+
+    async def _open(self, timeout: float) -> grpc.aio.StreamStreamCall:
+        """A new stream, once the broker has answered it: its initial metadata (the RPC is served), or
+        UNIMPLEMENTED (it is not), before any command is written on it."""
+        async with self._open_lock:
+            if self.supported is False:
+                raise ExchangeUnsupported()
+            if self._call is None:
+                call = self._stub.Exchange()
+                try:
+                    await asyncio.wait_for(call.initial_metadata(), timeout)
+                    if call.done():  # answered with its status alone
+                        code = await call.code()
+                        if code is grpc.StatusCode.UNIMPLEMENTED:
+                            self.supported = False
+                            raise ExchangeUnsupported()
+                        raise StreamBroken(f"no Exchange stream to {self._target}: {code.name}: "
+                                           f"{await call.details()}")
+                except grpc.aio.AioRpcError as exc:
+                    raise StreamBroken(f"no Exchange stream to {self._target}: {from_rpc_error(exc)}") from None
+                except TimeoutError:
+                    call.cancel()
+                    raise DeadlineExceeded(f"no Exchange stream to {self._target} within {timeout:.3g}s") from None
+                except BaseException:
+                    call.cancel()
+                    raise
+                self.supported = True
+                self._call = call
+                self._reader = asyncio.get_running_loop().create_task(self._read(call),
+                                                                      name=f"kvbroker exchange {self._target}")
+                self.streams_opened += 1
+            return self._call
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Hand every reply to its caller until the stream ends; then fail whatever is in flight."""
+        try:
+            while (reply := await call.read()) is not grpc.aio.EOF:
+                if (future := self._pending.pop(reply.command_id, None)) is not None:
+                    if not future.done():
+                        future.set_result(reply)
+                elif (queue := self._watches.get(reply.command_id)) is not None:
+                    queue.put_nowait(reply)
+            error: BaseException = StreamBroken(f"the broker at {self._target} ended the Exchange stream")
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
+                self.supported = False
+                error = ExchangeUnsupported()
+            else:
+                error = StreamBroken(f"the Exchange stream to {self._target} broke: {from_rpc_error(exc)}")
+        except asyncio.CancelledError:
+            error = StreamBroken(f"the Exchange stream to {self._target} was closed")
+        if self._call is call:
+            self._call = None
+        call.cancel()
+        if self._pending or self._watches:
+            log.warning("%s with %d command(s) and %d watch(es) in flight", error, len(self._pending),
+                        len(self._watches))
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(error)
+        for queue in list(self._watches.values()):
+            queue.put_nowait(error)
+
+    async def close(self) -> None:
+        call, reader = self._call, self._reader
+        self._call = self._reader = None
+        if call is not None:
+            call.cancel()
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+
+def _ms(timeout: float) -> int:
+    return min(max(1, round(timeout * 1000)), (1 << 32) - 1)
+
+
+def _error(error: bpb.ExchangeError):
+    code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    return error_for_code(code)(error.message or code.name)

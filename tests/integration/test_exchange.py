@@ -1,0 +1,201 @@
+"""The Exchange stream (BrokerService.Exchange) on two real brokers and real engines: a whole offered
+request through it, its commands refused as their unary RPCs are, the requests a stream carried
+failed when it ends, and its bound on commands in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+from kvbroker.edge.exchange import END_REASON
+from kvbroker_client.errors import BrokerError, ResourceExhausted
+from kvbroker_client.exchange import Exchange, ExchangeUnsupported
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+from kvbroker_client.v1 import common_pb2 as pb
+from tests.conftest import SMALL, assert_bytes, close_broker, open_broker
+from tests.integration.flows import DENSE, INDEX, M3, MAIN, expect_pages, offer, part, refusal, watch_all
+
+pytestmark = pytest.mark.integration
+
+CANCELLED = grpc.StatusCode.CANCELLED.value[0]
+
+
+def stream(broker) -> Exchange:
+    return Exchange(broker.stub, broker.process.listen)
+
+
+def offer_request(dst, src, request_id, pages: dict, expiry_ms=30_000) -> bpb.ExpectTransferRequest:
+    return bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=dst.engine_id, expiry_ms=expiry_ms,
+        pages=[pb.ComponentPages(component=k, page_ids=list(map(int, v))) for k, v in pages.items()],
+        sender_address=src.broker.peer_address, sender_engine_id=src.engine_id)
+
+
+def part_request(src, request_id, pages: dict, *, offsets=None, last=True, aux=b"") -> bpb.TransferRequest:
+    offsets = offsets or {}
+    return bpb.TransferRequest(
+        request_id=request_id, engine_id=src.engine_id, more_parts=not last, aux=aux,
+        pages=[bpb.PartPages(component=k, src_page_ids=list(map(int, v)), dst_offset=offsets.get(k, 0))
+               for k, v in pages.items()])
+
+
+async def statuses(exchange: Exchange, engine, request_id) -> list:
+    request = bpb.WatchTransferRequest(engine_id=engine.engine_id, request_id=request_id)
+    return [s async for s in exchange.watch(request, 30)]
+
+
+async def test_a_chunked_request_through_the_stream_lands_every_byte_and_its_aux(brokers, engines, request_id):
+    src = await engines.make(brokers.prefill, "prefill", components=M3, seed=21)
+    dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
+    decode, prefill = stream(brokers.decode), stream(brokers.prefill)
+    try:
+        rng = np.random.default_rng(21)
+        src_all, dst_all = rng.permutation(SMALL.num_pages)[:10], rng.permutation(SMALL.num_pages)[:10]
+        before = dst.segment.array.copy()
+        granted = await decode.command("expect", offer_request(dst, src, request_id,
+                                                               {MAIN: dst_all, INDEX: dst_all[2:], DENSE: dst_all}), 10)
+        assert granted.expect.status.state == pb.TRANSFER_STATE_PENDING
+        watching = asyncio.ensure_future(statuses(decode, dst, request_id))
+        first = await prefill.command("transfer", part_request(src, request_id, {MAIN: src_all[:6]}, last=False), 30)
+        assert first.transfer.status.state == pb.TRANSFER_STATE_TRANSFERRING
+        last = await prefill.command("transfer", part_request(
+            src, request_id, {MAIN: src_all[6:], INDEX: src_all[2:], DENSE: src_all}, offsets={MAIN: 6},
+            aux=b"first token"), 30)
+        assert last.transfer.status.state == pb.TRANSFER_STATE_SUCCEEDED and last.transfer.status.parts == 2
+        seen = await asyncio.wait_for(watching, 30)
+        assert seen[0].state == pb.TRANSFER_STATE_PENDING
+        assert seen[-1].state == pb.TRANSFER_STATE_SUCCEEDED and seen[-1].aux == b"first token"
+        assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all, dst_all), (INDEX, src_all[2:], dst_all[2:]),
+                                                          (DENSE, src_all, dst_all)]))
+        assert decode.streams_opened == prefill.streams_opened == 1  # every command on one stream each
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_refused_command_gets_the_code_and_message_of_its_unary_call(brokers, engines, request_id):
+    src = await engines.make(brokers.prefill, "prefill", components=M3, seed=22)
+    dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: [1, 2, 3, 4], DENSE: [1, 2, 3, 4]})
+    await part(src, request_id, {MAIN: [5, 6]}, last=False)
+    refused = [
+        ("transfer", src, part_request(src, request_id, {MAIN: [7]}, offsets={MAIN: 4}, last=False)),  # part-in-grant
+        ("transfer", src, part_request(src, request_id, {MAIN: [7]}, offsets={MAIN: 1}, last=False)),  # overlap
+        ("transfer", src, part_request(src, request_id, {MAIN: [7, 8], DENSE: [1, 2]}, offsets={MAIN: 2})),
+        ("transfer", src, part_request(src, request_id, {MAIN: [SMALL.num_pages]}, offsets={MAIN: 2}, last=False)),
+        ("transfer", src, bpb.TransferRequest(request_id=request_id, engine_id="no-such-engine/tp0")),
+        ("expect", dst, bpb.ExpectTransferRequest(request_id=request_id, engine_id=dst.engine_id,
+                                                  pages=[pb.ComponentPages(component=MAIN, page_ids=[1])])),
+        ("expect", dst, offer_request(dst, src, request_id, {MAIN: [9, 9]})),
+    ]
+    exchange = {src.engine_id: stream(brokers.prefill), dst.engine_id: stream(brokers.decode)}
+    unary = {"transfer": "Transfer", "expect": "ExpectTransfer"}
+    try:
+        for kind, engine, request in refused:
+            expected = await refusal(getattr(engine.stub, unary[kind])(request, timeout=30))
+            with pytest.raises(BrokerError) as got:
+                await exchange[engine.engine_id].command(kind, request, 30)
+            assert (got.value.code, got.value.reason) == (expected.code(), expected.details()), request
+        with pytest.raises(BrokerError) as got:
+            await statuses(exchange[dst.engine_id], dst, "no-such-request")
+        expected = await refusal(watch_all(dst, "no-such-request"))
+        assert (got.value.code, got.value.reason) == (expected.code(), expected.details())
+        # the stream outlived its refusals, and so did the request
+        done = await exchange[src.engine_id].command("transfer", part_request(
+            src, request_id, {MAIN: [7, 8], DENSE: [1, 2, 3, 4]}, offsets={MAIN: 2}), 30)
+        assert done.transfer.status.state == pb.TRANSFER_STATE_SUCCEEDED
+        assert exchange[src.engine_id].streams_opened == 1
+        assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [5, 6, 7, 8], [1, 2, 3, 4]),
+                                                          (DENSE, [1, 2, 3, 4], [1, 2, 3, 4])]))
+    finally:
+        for each in exchange.values():
+            await each.close()
+
+
+async def test_a_stream_that_ends_fails_exactly_the_requests_it_carried(brokers, engines, request_id):
+    """Carried: a request a part on the stream fed, and a grant an expect on it made; not carried: a
+    request the same engines run over the unary calls, and one the stream only watched."""
+    src = await engines.make(brokers.prefill, "prefill", components=M3, seed=23)
+    dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")
+    before = dst.segment.array.copy()
+    fed, granted, bystander, watched = (f"{request_id}-{n}" for n in ("fed", "granted", "unary", "watched"))
+    await offer(dst, src, fed, {MAIN: [1, 2, 3, 4]}, expiry_ms=10_000)  # without the end: FAILED at expiry
+    await offer(dst, src, bystander, {MAIN: [11, 12, 13, 14]})
+    await offer(dst, src, watched, {MAIN: [21, 22]})
+    await part(src, bystander, {MAIN: [5, 6]}, last=False)
+    prefill, decode = stream(brokers.prefill), stream(brokers.decode)
+    try:
+        await prefill.command("transfer", part_request(src, fed, {MAIN: [5, 6]}, last=False), 30)
+        await decode.command("expect", offer_request(dst, src, granted, {MAIN: [31, 32]}), 10)
+        watch = prefill.watch(bpb.WatchTransferRequest(engine_id=src.engine_id, request_id=watched), 30)
+        assert (await anext(watch)).state == pb.TRANSFER_STATE_PENDING  # a watch carries no request
+        await watch.aclose()
+    finally:
+        await prefill.close()
+        await decode.close()
+    for engine, rid in ((dst, fed), (src, fed), (dst, granted)):
+        final = (await watch_all(engine, rid))[-1]
+        assert final.state == pb.TRANSFER_STATE_FAILED and final.code == CANCELLED, (engine.engine_id, rid)
+        assert END_REASON in final.reason
+    done = await part(src, bystander, {MAIN: [7, 8]}, offsets={MAIN: 2})
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    done = await part(src, watched, {MAIN: [9, 10]})
+    assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [5, 6], [1, 2]), (MAIN, [5, 6, 7, 8], [11, 12, 13, 14]),
+                                                      (MAIN, [9, 10], [21, 22])]))
+
+
+async def test_commands_past_a_bound_are_refused_each_on_its_own(backend, engines, request_id):
+    bounded = await open_broker(f"exchange-bound-{backend}", backend, "--max-exchange-commands", "2",
+                                "--max-pages-per-request", str(SMALL.num_pages))
+    exchange = stream(bounded)
+    try:
+        dst = await engines.make(bounded, "decode", components=M3, fill="canary")
+        for n in range(2):  # two claimed-flow grants; a watch of each stays in flight while they are PENDING
+            await bounded.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+                request_id=f"{request_id}-{n}", engine_id=dst.engine_id, components=[MAIN], dst_page_ids=[n]),
+                timeout=10)
+        watches = [exchange.watch(bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=f"{request_id}-{n}"),
+                                  30) for n in range(2)]
+        for w in watches:
+            assert (await anext(w)).state == pb.TRANSFER_STATE_PENDING
+        with pytest.raises(ResourceExhausted) as refused:
+            await exchange.ping(10)
+        assert "max_exchange_commands=2" in refused.value.reason
+        too_many = bpb.ExpectTransferRequest(request_id=f"{request_id}-x", engine_id=dst.engine_id, components=[MAIN],
+                                             dst_page_ids=list(range(SMALL.num_pages + 1)))
+        with pytest.raises(ResourceExhausted) as admitted:  # refused before it is read, and before the bound
+            await exchange.command("expect", too_many, 10)
+        expected = await refusal(bounded.stub.ExpectTransfer(too_many, timeout=10))
+        assert (admitted.value.reason, expected.code()) == (expected.details(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "max_pages_per_request" in admitted.value.reason
+        await bounded.stub.CancelTransfer(bpb.CancelTransferRequest(engine_id=dst.engine_id,
+                                                                    request_id=f"{request_id}-0"), timeout=30)
+        assert (await anext(watches[0])).state == pb.TRANSFER_STATE_FAILED
+        await exchange.ping(10)  # the watch's slot came free with its last reply, on the same stream
+        assert exchange.streams_opened == 1
+        for w in watches:
+            await w.aclose()
+    finally:
+        await exchange.close()
+        await close_broker(bounded)
+
+
+async def test_a_broker_without_the_stream_is_told_apart(brokers):
+    """UNIMPLEMENTED (here: the peer port, which serves no BrokerService) means the unary RPCs."""
+    channel = grpc.aio.insecure_channel(brokers.prefill.peer_address)
+    exchange = Exchange(bpb_grpc.BrokerServiceStub(channel), brokers.prefill.peer_address)
+    try:
+        with pytest.raises(ExchangeUnsupported):
+            await exchange.ping(10)
+        assert exchange.supported is False
+        with pytest.raises(ExchangeUnsupported):
+            await exchange.ping(10)
+    finally:
+        await exchange.close()
+        await channel.close()
