@@ -62,12 +62,14 @@ COPY --from=build /opt/venv /opt/venv
 RUN install -d -o kvbroker -g kvbroker -m 0770 /run/kvbroker
 ENV PATH=/opt/venv/bin:$PATH \
     KVBROKER_LISTEN=unix:/run/kvbroker/kvbroker.sock \
+    KVBROKER_HEALTH_LISTEN=unix:/run/kvbroker/health.sock \
     KVBROKER_PEER_LISTEN=0.0.0.0:50052 \
     KVBROKER_LOG_FORMAT=json
 USER 10001:10001
 EXPOSE 50052 9400
-# Checks the local API (KVBROKER_LISTEN) through grpc.health.v1; set addresses through KVBROKER_*
-# variables rather than flags so that the check follows them.
+# Checks the health listener (KVBROKER_HEALTH_LISTEN; the local API, KVBROKER_LISTEN, when it is
+# set empty) through grpc.health.v1; set addresses through KVBROKER_* variables rather than flags so
+# that the check follows them.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-m", "kvbroker.ops.probe", "--timeout", "3"]
 ENTRYPOINT ["kvbroker", "serve"]

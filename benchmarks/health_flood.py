@@ -1,10 +1,14 @@
-"""How fast the local API's health answers while the peer port is flooded: a measurement, not a test.
+"""How fast health answers while the peer port is flooded, on the local API and on the health listener
+side by side: a measurement, not a test.
 
     scripts/in-netns.sh .venv/bin/python benchmarks/health_flood.py [--seconds S] [--out FILE]
 
-One real broker (`kvbroker serve`, NIXL, default settings but allow_unprotected_transports) on
-loopback. Its local API's health (what the probes ask: deploy/, kvbroker.ops.probe) is checked
-over and over from a process of its own, one check after the other, for `--seconds` in each phase:
+One real broker (`kvbroker serve`, NIXL, default settings but allow_unprotected_transports, and
+health_listen on a TCP port of loopback, as the local API is here) on loopback. Its health is checked
+over and over on both listeners at once, each from a process of its own, one check after the other,
+for `--seconds` in each phase: on the local API (served by the asyncio loop the peer port shares) and
+on the health listener (grpc's synchronous server, threads of its own: what the probes ask, deploy/,
+kvbroker.ops.probe).
 
 - `calm`: nothing else;
 - `idle`: 3000 TCP connections to the peer port that never speak (over max_peer_connections, 1024);
@@ -13,10 +17,11 @@ over and over from a process of its own, one check after the other, for `--secon
   the other, from a process of their own;
 - `idle+busy-16`: both.
 
-Per phase: the checks' count, median, 99th percentile and slowest (seconds), those that failed
-(a check has 10 s), the peer port's health asked on a new connection, the busy callers' answers,
-and the broker's CPU seconds per second. JSON on stdout (or --out), with the machine's load average;
-a summary on stderr. The same run's `calm` phase is the baseline the others are read against.
+Per phase and listener (`local_api`, `health_listener`): the checks' count, median, 99th percentile
+and slowest (seconds), those that failed (a check has 10 s); per phase, the peer port's health asked
+on a new connection, the busy callers' answers, and the broker's CPU seconds per second. JSON on
+stdout (or --out), with the machine's load average; a summary on stderr. The same run's `calm`
+phase is the baseline the others are read against, and each phase's two listeners each other's.
 """
 
 from __future__ import annotations
@@ -137,48 +142,55 @@ async def fresh_peer_health(address: str) -> str:
             return exc.code().name
 
 
+def summary(answers: list[tuple[str, float]]) -> dict:
+    times = sorted(t for _, t in answers)
+    return {"checks": len(answers), "failed": sum(s != "SERVING" for s, _ in answers),
+            "median_s": statistics.median(times) if times else None,
+            "p99_s": times[min(len(times) - 1, int(0.99 * len(times)))] if times else None,
+            "max_s": times[-1] if times else None}
+
+
 async def phase(name: str, broker, seconds: float, idle: int, callers: int) -> dict:
-    prober = await child(PROBER, broker.listen, str(CHECK_TIMEOUT_S))
-    answers: list[tuple[str, float]] = []
+    listeners = {"local_api": broker.listen, "health_listener": broker.health_listen}
+    probers = {key: await child(PROBER, address, str(CHECK_TIMEOUT_S)) for key, address in listeners.items()}
+    answers: dict[str, list[tuple[str, float]]] = {key: [] for key in listeners}
 
-    async def read() -> None:
-        while line := await prober.stdout.readline():
+    async def read(key: str) -> None:
+        while line := await probers[key].stdout.readline():
             status, took = line.split()
-            answers.append((status.decode(), float(took)))
+            answers[key].append((status.decode(), float(took)))
 
-    reading = asyncio.create_task(read())
+    readings = [asyncio.create_task(read(key)) for key in listeners]
     flooder = await child(FLOODER, broker.peer_listen, str(callers)) if callers else None
     codes: dict = {}
     try:
         with idle_connections(broker.peer_listen, idle):
             await asyncio.sleep(1.0)  # the flood in place before the window measured
-            first, cpu_before = len(answers), cpu_s(broker.process.pid)
+            first, cpu_before = {k: len(a) for k, a in answers.items()}, cpu_s(broker.process.pid)
             await asyncio.sleep(seconds)
             cpu = cpu_s(broker.process.pid) - cpu_before
-            window = answers[first:]
+            windows = {k: a[first[k]:] for k, a in answers.items()}
             peer = await fresh_peer_health(broker.peer_listen)
             if flooder is not None:
                 flooder.stdin.close()
                 codes = json.loads((await asyncio.wait_for(flooder.stdout.readline(), 120)).decode())
     finally:
-        for process in (prober, flooder):
+        for process in (*probers.values(), flooder):
             if process is not None and process.returncode is None:
                 process.kill()
                 await process.wait()
-        await reading
-    times = sorted(t for _, t in window)
+        await asyncio.gather(*readings)
     result = {
         "phase": name, "idle_connections": idle, "busy_callers": callers, "seconds": seconds,
-        "checks": len(window), "failed": sum(s != "SERVING" for s, _ in window),
-        "median_s": statistics.median(times) if times else None,
-        "p99_s": times[min(len(times) - 1, int(0.99 * len(times)))] if times else None,
-        "max_s": times[-1] if times else None,
+        **{key: summary(window) for key, window in windows.items()},
         "peer_health_new_connection": peer, "busy_answers": codes,
         "broker_cpu_per_s": round(cpu / seconds, 3),
     }
-    print(f"{name:14} checks {result['checks']:4}  failed {result['failed']}  median {result['median_s']:.4f}s  "
-          f"p99 {result['p99_s']:.3f}s  max {result['max_s']:.3f}s  peer {peer:18} cpu/s {result['broker_cpu_per_s']}"
-          f"  busy {codes}", file=sys.stderr)
+    for key in listeners:
+        r = result[key]
+        print(f"{name:14} {key:15} checks {r['checks']:4}  failed {r['failed']}  median {r['median_s']:.4f}s  "
+              f"p99 {r['p99_s']:.3f}s  max {r['max_s']:.3f}s", file=sys.stderr)
+    print(f"{name:14} peer {peer:18} cpu/s {result['broker_cpu_per_s']}  busy {codes}", file=sys.stderr)
     return result
 
 
@@ -190,6 +202,7 @@ async def main() -> tuple[str | None, str]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     broker = await start_broker("health-flood", "--backend", "nixl", "--log-level", "ERROR",
+                                "--health-listen", "127.0.0.1:0",
                                 env={**os.environ, "KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS": "true"})
     try:
         phases = [await phase(name, broker, args.seconds, idle, callers) for name, idle, callers in (

@@ -32,6 +32,7 @@ async def serve(settings: Settings) -> int:
     def ready(endpoints) -> None:  # the line launch.py and operators wait for
         print(json.dumps({"event": "ready", "listen": endpoints.listen, "peer_listen": endpoints.peer_listen,
                           "peer_address": endpoints.peer_address, "metrics_listen": endpoints.metrics_listen,
+                          "health_listen": endpoints.health_listen,
                           "broker_id": settings.broker_id, "pid": os.getpid()}), flush=True)
 
     return await BrokerServer(settings).serve(ready)

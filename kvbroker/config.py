@@ -22,6 +22,10 @@ class Settings(BaseSettings):
     peer_listen: str = Field("0.0.0.0:50052", description="peer API address for other brokers: host:port")
     metrics_listen: str = Field("", description="Prometheus metrics address (HTTP): host:port, port 0 picks a "
                                                 "free one; empty: no metrics endpoint")
+    health_listen: str = Field("", description="grpc.health.v1 (Check only) on a listener of its own, answered "
+                                               "from threads of its own, so that a busy peer flood does not delay "
+                                               "the probes: host:port or unix:/path; empty: none (health is on "
+                                               "listen and peer_listen too)")
     advertise_host: str = Field("", description="host peers reach this broker by; default: the peer listener's "
                                               "host, or broker_id when it listens on all interfaces")
     broker_id: str = Field(default_factory=socket.gethostname, description="this broker's id in peer handshakes")

@@ -6,7 +6,10 @@ startup: the open-file limit raised, backend, epoch, peer clients, Broker, both 
 admission.py), listeners bound, the metrics endpoint if configured, health SERVING.
 wait: until the first SIGTERM or SIGINT (`capture_signals`; a second one forces an exit).
 shutdown: NOT_SERVING at once, drain in-flight transfers within the grace period, stop the
-servers, release engines and the backend, stop the metrics endpoint. Tests call startup and
+servers, release engines and the backend, stop the metrics endpoint. With `health_listen`, a third
+listener answers grpc.health.v1 Check from threads of its own (ops/health_listener.py), so that a
+busy peer flood in the loop does not delay the probes; its status follows the other two, and the
+loop's heartbeat (a wedged loop is NOT_SERVING there too). Tests call startup and
 shutdown directly; `kvbroker serve` (cli.py) calls serve. Its parts: `new_epoch`, `peer_credentials`
 (TLS of the peer port), `peer_server_options` (the peer port's bounds in grpc core), `bind_unix`
 (the local socket, created with its final mode), `raise_fd_limit`, `Endpoints` (the addresses as bound).
@@ -41,6 +44,7 @@ from kvbroker.edge.tls import PeerTls
 from kvbroker.edge.trust import PeerCalls, PeerGate
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.limits import Limits
+from kvbroker.ops.health_listener import BEAT_S, HealthListener
 from kvbroker.ops.metrics import Metrics
 from kvbroker.ops.trim import MemoryTrim
 from kvbroker.peers.clients import PeerClients
@@ -58,6 +62,7 @@ class Endpoints:
     peer_listen: str
     peer_address: str  # what peers are told to dial
     metrics_listen: str = ""  # the metrics endpoint as bound; empty when off
+    health_listen: str = ""  # the health listener as bound; empty when off
 
 
 def new_epoch() -> int:
@@ -84,7 +89,7 @@ class UnixSocket:
     inode: int  # of the socket bound: shutdown removes the path only while it is still this socket
 
 
-def bind_unix(server: grpc.aio.Server, path: Path) -> UnixSocket:
+def bind_unix(server: grpc.aio.Server | grpc.Server, path: Path) -> UnixSocket:
     """Bind `path` with its final mode from the first moment anyone can reach it: grpc binds in a
     private directory (0700) beside it, the socket gets SOCKET_MODE there and is renamed into place.
     A umask around the bind would do it too, but the umask is the process's, and other threads
@@ -103,6 +108,10 @@ def bind_unix(server: grpc.aio.Server, path: Path) -> UnixSocket:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return UnixSocket(path, os.stat(path).st_ino)
+
+
+def unix_path(address: str) -> Path:
+    return Path(address.removeprefix("unix:").removeprefix("//"))
 
 
 def raise_fd_limit() -> int:
@@ -229,7 +238,9 @@ class BrokerServer:
         self._health: list[health.aio.HealthServicer] = []
         self._peers: PeerClients | None = None
         self._exchanges: Exchanges | None = None
-        self._socket: UnixSocket | None = None
+        self._sockets: list[UnixSocket] = []
+        self._health_listener: HealthListener | None = None
+        self._beating: asyncio.Task[None] | None = None
         self._trim = MemoryTrim()
         self.metrics = Metrics()
 
@@ -291,21 +302,43 @@ class BrokerServer:
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
             BrokerServicer(broker, s.unregister_wait_s, gate, data_plane, self._exchanges), local_server)
         if s.listen.startswith("unix:"):
-            self._socket = bind_unix(local_server, Path(s.listen.removeprefix("unix:").removeprefix("//")))
+            self._sockets.append(bind_unix(local_server, unix_path(s.listen)))
             listen = s.listen
         else:
             listen = _bind(local_server, s.listen)
 
+        health_listen = self._start_health_listener(s.health_listen) if s.health_listen else ""
         for server in self._servers:
             await server.start()
         metrics_listen = self.metrics.serve(s.metrics_listen) if s.metrics_listen else ""
         for servicer, name in zip(self._health, (PEER_SERVICE, BROKER_SERVICE)):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
             await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self.endpoints = Endpoints(listen, peer_listen, peer_address, metrics_listen)
+        if self._health_listener is not None:
+            self._health_listener.serving()
+        self.endpoints = Endpoints(listen, peer_listen, peer_address, metrics_listen, health_listen)
         log.info("broker serving", extra={"listen": listen, "peer_listen": peer_listen, "backend": backend.name,
-                                          "broker_id": broker.broker_id, "metrics_listen": metrics_listen})
+                                          "broker_id": broker.broker_id, "metrics_listen": metrics_listen,
+                                          "health_listen": health_listen})
         return self.endpoints
+
+    def _start_health_listener(self, address: str) -> str:
+        """The health listener bound and started (NOT_SERVING until startup ends); its address as bound."""
+        listener = self._health_listener = HealthListener((BROKER_SERVICE, PEER_SERVICE))
+        if address.startswith("unix:"):
+            self._sockets.append(bind_unix(listener.server, unix_path(address)))
+            bound = address
+        else:
+            bound = listener.bind(address)
+        listener.start()
+        self._beating = asyncio.get_running_loop().create_task(self._beat(listener), name="health-beat")
+        return bound
+
+    @staticmethod
+    async def _beat(listener: HealthListener) -> None:
+        while True:
+            listener.beat()
+            await asyncio.sleep(BEAT_S)
 
     async def serve(self, ready: Callable[[Endpoints], None] | None = None) -> int:
         """Start, call `ready` with the bound endpoints, serve until a signal, shut down. Returns the
@@ -326,15 +359,22 @@ class BrokerServer:
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        if self._health_listener is not None:
+            self._health_listener.draining()
         for servicer in self._health:
             await servicer.enter_graceful_shutdown()
         if self.broker is not None:
             await self.broker.drain(grace)
-        await asyncio.gather(*(server.stop(1.0) for server in self._servers))
-        if self._socket is not None:  # grpc removes the path it bound, which was renamed
+        stopping = [server.stop(1.0) for server in self._servers]
+        if self._beating is not None:
+            self._beating.cancel()
+        if self._health_listener is not None:  # its stop blocks: not in the loop
+            stopping.append(asyncio.to_thread(self._health_listener.stop, 1.0))
+        await asyncio.gather(*stopping)
+        for socket in self._sockets:  # grpc removes the path it bound, which was renamed
             with contextlib.suppress(OSError):
-                if os.stat(self._socket.path).st_ino == self._socket.inode:
-                    os.unlink(self._socket.path)
+                if os.stat(socket.path).st_ino == socket.inode:
+                    os.unlink(socket.path)
         if self._exchanges is not None:  # the ends of streams gRPC's stop cut, before the broker closes
             await self._exchanges.close()
         if self._peers is not None:

@@ -57,6 +57,7 @@ class BrokerProcess:
     _stderr_task: asyncio.Task | None = field(default=None, repr=False)
     stderr_lines: list[str] = field(default_factory=list, repr=False)  # stdout's lines after ready, too
     metrics_listen: str = ""  # the metrics endpoint as bound, when started with --metrics-listen
+    health_listen: str = ""  # the health listener as bound, when started with --health-listen
     _asked: str = field(default="", repr=False)  # "stop" or "kill" once we ended it; empty: nobody asked
     _watch: asyncio.Task | None = field(default=None, repr=False)
 
@@ -202,4 +203,4 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
     stdout_task = asyncio.create_task(_drain(process.stdout, lines, echo_logs))
     both = asyncio.ensure_future(asyncio.gather(stderr_task, stdout_task))
     return BrokerProcess(process, ready["listen"], ready["peer_listen"], broker_id, both, lines,
-                         metrics_listen=ready.get("metrics_listen", ""))
+                         metrics_listen=ready.get("metrics_listen", ""), health_listen=ready.get("health_listen", ""))

@@ -98,6 +98,7 @@ def test_default_settings_are_a_unix_socket_the_peer_port_and_json_logs():
     settings = Settings(**{k.removeprefix("KVBROKER_").lower(): v for k, v in env.items()
                            if k.startswith("KVBROKER_")})
     assert settings.listen == "unix:/run/kvbroker/kvbroker.sock"
+    assert settings.health_listen == "unix:/run/kvbroker/health.sock"  # what the HEALTHCHECK asks
     assert settings.peer_listen == "0.0.0.0:50052"
     assert settings.log_format == "json"
     assert only("EXPOSE").args.split() == ["50052", "9400"]  # peer API, Prometheus metrics
@@ -141,7 +142,8 @@ async def test_healthcheck_passes_against_a_serving_broker_and_fails_after_it_st
     from kvbroker.tools.launch import start_broker
 
     socket = f"unix:{tmp_path}/kvbroker.sock"
-    image_env = {**env_of(INSTRUCTIONS[: INSTRUCTIONS.index(only("ENTRYPOINT"))]), "KVBROKER_LISTEN": socket}
+    image_env = {**env_of(INSTRUCTIONS[: INSTRUCTIONS.index(only("ENTRYPOINT"))]), "KVBROKER_LISTEN": socket,
+                 "KVBROKER_HEALTH_LISTEN": f"unix:{tmp_path}/health.sock"}
     image_env.pop("PATH")
     command = only("HEALTHCHECK").exec_form()
     command[0] = sys.executable

@@ -55,5 +55,14 @@ def test_nothing_listening_exits_one_naming_unavailable(tmp_path, capsys):
 def test_default_address_is_the_listen_setting(health_server, monkeypatch, capsys):
     address, _ = health_server
     monkeypatch.setenv("KVBROKER_LISTEN", address)
+    monkeypatch.delenv("KVBROKER_HEALTH_LISTEN", raising=False)
+    assert probe.main([]) == 0
+    assert capsys.readouterr().out == "SERVING\n"
+
+
+def test_default_address_is_the_health_listen_setting_when_set(health_server, monkeypatch, tmp_path, capsys):
+    address, _ = health_server
+    monkeypatch.setenv("KVBROKER_HEALTH_LISTEN", address)
+    monkeypatch.setenv("KVBROKER_LISTEN", f"unix:{tmp_path}/absent.sock")  # would fail: not asked
     assert probe.main([]) == 0
     assert capsys.readouterr().out == "SERVING\n"

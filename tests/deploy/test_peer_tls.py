@@ -137,7 +137,8 @@ def pod_env(docs: list[dict], folder: Path, socket: str) -> dict[str, str]:
     mount = str(PurePosixPath(settings(docs)["KVBROKER_PEER_TLS_CERT"]).parent)
     env = {key: value.replace(mount, str(folder)) if key in TLS_FILES else value
            for key, value in settings(docs).items()}
-    env.update(literal_env(broker(docs)), KVBROKER_LISTEN=socket, KVBROKER_METRICS_LISTEN="127.0.0.1:0")
+    env.update(literal_env(broker(docs)), KVBROKER_LISTEN=socket, KVBROKER_METRICS_LISTEN="127.0.0.1:0",
+               KVBROKER_HEALTH_LISTEN=socket.replace(".sock", "-health.sock"))
     return env
 
 

@@ -1,12 +1,13 @@
 """Health and transfers while the peer port is flooded, on two real brokers: the choice the probes
-rest on. The probes (deploy/, kvbroker.ops.probe) ask the local API's health, a listener of its own
-that no peer reaches; this pins that it answers SERVING, and that a transfer between two brokers
+rest on. The probes (deploy/, kvbroker.ops.probe) ask the health listener (health_listen: Check
+answered from threads of its own), and without it the local API's health; both are listeners that
+no peer reaches. This pins that both answer SERVING, and that a transfer between two brokers
 already connected completes, while the peer port holds its connection bound full of idle
 connections and busy ones send big requests without pause. That the flood is held is checked, not
 assumed: a new connection to the peer port gets no answer meanwhile. How fast health answers under
 such floods is measured by benchmarks/health_flood.py (README, Health and probes), not bounded here:
-both listeners share one process and its event loop, and on a saturated machine a busy flood delays
-health by seconds.
+the local API shares the process and its event loop with the peer port, and on a saturated machine
+a busy flood delays its health by seconds; the health listener waits for the GIL only.
 
 The flood is the test's own: raw TCP connections that never speak, and a child process whose
 threads send 9 MB OfferGrants on connections of their own."""
@@ -110,7 +111,7 @@ async def ended(process: asyncio.subprocess.Process) -> None:
 
 
 class Health:
-    """The local API's health, asked over and over from a process of its own (the test's own loop
+    """A listener's health, asked over and over from a process of its own (the test's own loop
     must not be what is measured): each check's answer."""
 
     def __init__(self, process: asyncio.subprocess.Process) -> None:
@@ -169,16 +170,17 @@ async def probe(address: str) -> tuple[int, str]:
     return process.returncode, out.decode().strip()
 
 
-async def test_local_health_answers_and_a_transfer_completes_while_the_peer_port_is_flooded(engines, request_id):
+async def test_health_answers_and_a_transfer_completes_while_the_peer_port_is_flooded(engines, request_id):
     """The prefill broker's peer port (max_peer_connections 64, connections kept while the test runs)
     gets 8 busy connections sending 9 MB OfferGrants without pause and 4000 idle ones: its local
-    API's health answers SERVING each time (to the probe itself, on a new connection, too), while the
-    peer port's answers no new connection; and a request offered by the decode broker (connected
-    before the flood) is written."""
+    API's health and its health listener's answer SERVING each time (to the probe itself, on a new
+    connection, too), while the peer port's answers no new connection; and a request offered by the
+    decode broker (connected before the flood) is written."""
     prefill = await open_broker("flood-prefill", "nixl", "--max-peer-connections", str(BOUND),
-                                "--peer-handshake-timeout-s", "600", "--peer-connection-idle-s", "600")
+                                "--peer-handshake-timeout-s", "600", "--peer-connection-idle-s", "600",
+                                "--health-listen", "127.0.0.1:0")
     decode = await open_broker("flood-decode", "nixl")
-    flooder = health = None
+    flooder = health = listener = None
     try:
         src = await engines.make(prefill, "prefill", seed=44)
         dst = await engines.make(decode, "decode", fill="canary")
@@ -186,30 +188,35 @@ async def test_local_health_answers_and_a_transfer_completes_while_the_peer_port
         assert (await part(src, f"{request_id}-warm", {MAIN: [0]})).status.state == pb.TRANSFER_STATE_SUCCEEDED
         assert await fresh_peer_health(prefill.peer_address) == "SERVING"
         health = Health(await child(PROBER, prefill.process.listen, str(CHECK_TIMEOUT_S)))
+        listener = Health(await child(PROBER, prefill.process.health_listen, str(CHECK_TIMEOUT_S)))
         flooder = await child(FLOODER, prefill.peer_address, str(CALLERS))
         with idle_connections(prefill.peer_address, IDLE):
             # held: the bound is full, so a new connection is closed as it is accepted (or never is)
             assert await fresh_peer_health(prefill.peer_address) in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
             assert await probe(prefill.process.listen) == (0, "SERVING")  # the probe's own new connection
+            assert await probe(prefill.process.health_listen) == (0, "SERVING")
             before = dst.segment.array.copy()
             await offer(dst, src, request_id, {MAIN: [5, 6]}, timeout=60)
             done = await part(src, request_id, {MAIN: [2, 3]}, timeout=60)
             assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED, done.status
             assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [2, 3], [5, 6])]))
-            checked = len(health.answers)
-            assert await until(lambda: len(health.answers) >= checked + 20, timeout=30 * CHECK_TIMEOUT_S)
+            checked, listened = len(health.answers), len(listener.answers)
+            assert await until(lambda: len(health.answers) >= checked + 20 and len(listener.answers) >= listened + 20,
+                               timeout=30 * CHECK_TIMEOUT_S)
             assert await fresh_peer_health(prefill.peer_address) in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
             flooder.stdin.close()
             codes = json.loads((await asyncio.wait_for(flooder.stdout.readline(), 120)).decode())
         await health.stop()
-        failed = [answer for answer in health.answers if answer[0] != "SERVING"]
-        assert not failed, f"{len(failed)} of {len(health.answers)} health checks failed: {failed[:5]}"
+        await listener.stop()
+        for name, checks in (("local API", health.answers), ("health listener", listener.answers)):
+            failed = [answer for answer in checks if answer[0] != "SERVING"]
+            assert not failed, f"{name}: {len(failed)} of {len(checks)} health checks failed: {failed[:5]}"
         assert sum(codes.values()) >= CALLERS, codes  # the busy callers were answered: they were busy
-        slowest = max(took for _, took in health.answers)
-        print(f"flooded peer port: {len(health.answers)} local health checks, slowest {slowest:.3f}s; "
-              f"busy callers' answers {codes}")
+        print(f"flooded peer port: {len(health.answers)} local API health checks, slowest "
+              f"{max(t for _, t in health.answers):.3f}s; {len(listener.answers)} on the health listener, slowest "
+              f"{max(t for _, t in listener.answers):.3f}s; busy callers' answers {codes}")
     finally:
-        for process in (flooder, health and health.process):
+        for process in (flooder, health and health.process, listener and listener.process):
             if process is not None:
                 await ended(process)
         assert await close_brokers(prefill, decode) == [0, 0]
