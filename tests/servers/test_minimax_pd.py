@@ -78,6 +78,19 @@ async def test_minimax_8_concurrent_requests(minimax_pd, minimax_reference, http
     await settled(minimax_pd, minimax_reference, http)
 
 
+async def test_minimax_request_whose_prefix_decode_holds(minimax_pd, minimax_reference, http):
+    """Decode's radix cache holds the first prompt: the longer one's index K moves only after that
+    prefix (SGLang's truncation to decode's side), the dense layers' KV whole, and the answer still
+    equals the reference's."""
+    first = client.prompts(1, 2 * CHUNK_TOKENS, seed=310)[0]
+    await client.generate(http, minimax_pd.url, first, ANSWER_TOKENS)
+    longer = first + client.prompts(1, 40, seed=311)[0]
+    answer = await client.generate(http, minimax_pd.url, longer, ANSWER_TOKENS)
+    assert answer.meta.get("cached_tokens", 0) > 0, f"decode found no prefix: {answer.meta}"
+    assert answer.output_ids == await minimax_reference.answer(longer)
+    await settled(minimax_pd, minimax_reference, http)
+
+
 async def test_decode_answers_depend_on_its_index_k(minimax_pd, minimax_reference, http, corruption_switch):
     prompt = client.prompts(1, 120, seed=309)[0]
     corruption_switch.write_text("negate")
