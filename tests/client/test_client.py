@@ -366,6 +366,18 @@ async def test_a_session_lost_without_a_restart_is_opened_again_with_the_engines
 
 
 # -- broker restarts -------------------------------------------------------------------------------
+async def registered_on(broker, engine_id: str, timeout: float = 30.0) -> None:
+    """Until a client of its own sees `engine_id` registered on `broker` (the rejoin, not a call, put it there)."""
+    async with await connect(broker.listen, session=False) as observer:
+        async def registered() -> None:
+            for _ in range(1000):  # bounded by wait_for below
+                if engine_id in (await observer.info()).engine_ids:
+                    return
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(registered(), timeout)
+
+
 async def test_client_registers_its_engines_again_after_a_restart_on_the_same_port(brokers_of_test, pools):
     broker = await brokers_of_test.start()
     async with await connect(broker.listen) as client:
@@ -393,14 +405,7 @@ async def test_engines_are_registered_again_after_a_restart_before_the_client_ca
         dst = pool_engine(pools, unique("decode"), fill="canary")
         await client.register_engine(dst.engine_id, dst.topology, dst.components)
         broker = await brokers_of_test.restart(broker)
-        async with await connect(broker.listen, session=False) as observer:
-            async def registered() -> None:
-                for _ in range(1000):  # bounded by wait_for below
-                    if dst.engine_id in (await observer.info()).engine_ids:
-                        return
-                    await asyncio.sleep(0.05)
-
-            await asyncio.wait_for(registered(), 30)
+        await registered_on(broker, dst.engine_id)
         assert client.restarts_seen == 1
 
 
@@ -421,14 +426,7 @@ async def test_a_restart_whose_first_registration_fails_is_counted_once(brokers_
 
         client._stub.RegisterEngine = fails_once
         broker = await brokers_of_test.restart(broker)
-        async with await connect(broker.listen, session=False) as observer:
-            async def registered() -> None:
-                for _ in range(1000):  # bounded by wait_for below
-                    if dst.engine_id in (await observer.info()).engine_ids:
-                        return
-                    await asyncio.sleep(0.05)
-
-            await asyncio.wait_for(registered(), 30)
+        await registered_on(broker, dst.engine_id)
     assert failed == [dst.engine_id]
     assert client.restarts_seen == 1
 

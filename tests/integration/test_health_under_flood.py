@@ -15,10 +15,7 @@ threads send 9 MB OfferGrants on connections of their own."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import resource
-import socket
 import sys
 
 import grpc
@@ -28,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import assert_bytes, close_brokers, open_broker, until
 from tests.integration.flows import MAIN, expect_pages, offer, part
+from tests.integration.watch import idle_connections
 
 pytestmark = pytest.mark.integration
 
@@ -127,27 +125,6 @@ class Health:
     async def stop(self) -> None:
         await ended(self.process)
         await self._reading
-
-
-@contextlib.contextmanager
-def idle_connections(address: str, count: int):
-    """`count` TCP connections to `address` that never say a word."""
-    host, _, port = address.rpartition(":")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, count + 1024)), hard))
-    held = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                sock.connect((host, int(port)))
-            held.append(sock)
-        yield held
-    finally:
-        for sock in held:
-            sock.close()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def fresh_peer_health(address: str) -> str:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import resource
 import secrets
-import socket
 import statistics
 import time
 
@@ -31,6 +29,7 @@ from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from tests.conftest import assert_bytes, close_broker, close_brokers, open_broker
 from tests.integration.flows import MAIN, expect_pages, offer, part, refusal, watch_all
 from tests.integration.peer_side import Identity
+from tests.integration.watch import idle_connections
 
 pytestmark = pytest.mark.integration
 
@@ -347,27 +346,6 @@ async def health_times(address: str, n: int = 30) -> list[float]:
             out.append(time.monotonic() - started)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     return out
-
-
-@contextlib.contextmanager
-def idle_connections(address: str, count: int):
-    """`count` TCP connections to `address` that never say a word."""
-    host, _, port = address.rpartition(":")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, count + 1024)), hard))
-    held = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):
-                sock.connect((host, int(port)))
-            held.append(sock)
-        yield held
-    finally:
-        for sock in held:
-            sock.close()
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 async def test_health_on_the_local_api_answers_while_the_peer_port_is_flooded_with_idle_connections(

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import resource
+import socket
 import sys
 
 from tests.conftest import until
@@ -127,3 +129,24 @@ class Watch:
             if prober.returncode is None:
                 prober.kill()
                 await prober.wait()
+
+
+@contextlib.contextmanager
+def idle_connections(address: str, count: int):
+    """`count` TCP connections to `address` that never say a word."""
+    host, _, port = address.rpartition(":")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, count + 1024)), hard))
+    held = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            held.append(sock)
+        yield held
+    finally:
+        for sock in held:
+            sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
