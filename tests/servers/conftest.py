@@ -61,15 +61,19 @@ class Reference:
     def __init__(self, server: stack.ServerProcess, http: aiohttp.ClientSession) -> None:
         self.server = server
         self._http = http
-        self._answers: dict[tuple[int, ...], list[int]] = {}
+        self._answers: dict[tuple[int, ...], client.Greedy] = {}
         # It starts beside the first PD deployment; the first answer waits for it.
         self.ready = asyncio.ensure_future(server.wait_ready("/health_generate", stack.START_TIMEOUT_S))
 
-    async def answer(self, prompt: list[int], tokens: int = ANSWER_TOKENS) -> list[int]:
+    async def mismatch(self, prompt: list[int], got: list[int], tokens: int = ANSWER_TOKENS) -> str | None:
+        """Why `got` is not the reference's greedy answer to `prompt` (ties allowed), or None."""
+        return await client.mismatch(self._greedy, prompt, got, tokens)
+
+    async def _greedy(self, prompt: list[int], tokens: int) -> client.Greedy:
         await self.ready
         key = (*prompt, -tokens)
         if key not in self._answers:
-            self._answers[key] = (await client.generate(self._http, self.server.url, prompt, tokens)).output_ids
+            self._answers[key] = await client.greedy(self._http, self.server.url, prompt, tokens)
         return self._answers[key]
 
     async def __aenter__(self) -> Reference:
@@ -123,5 +127,5 @@ async def settled(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientS
     # only the first token's aux row moves (kvbroker_sglang.aux_only).
     prompt = prompt or client.prompts(1, 40, seed=10_000)[0]
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-    assert answer.output_ids == await reference.answer(prompt)
+    assert not await reference.mismatch(prompt, answer.output_ids)
     assert pd.prefill.alive() and pd.decode.alive()

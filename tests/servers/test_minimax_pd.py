@@ -66,15 +66,17 @@ async def test_minimax_greedy_tokens_equal_the_reference_servers(minimax_pd, min
     for length in (5, 40, 3 * CHUNK_TOKENS + 9):
         prompt = client.prompts(1, length, seed=300 + length)[0]
         answer = await client.generate(http, minimax_pd.url, prompt, ANSWER_TOKENS)
-        assert answer.output_ids == await minimax_reference.answer(prompt), f"prompt of {length} tokens"
+        why = await minimax_reference.mismatch(prompt, answer.output_ids)
+        assert why is None, f"prompt of {length} tokens: {why}"
     await settled(minimax_pd, minimax_reference, http)
 
 
 async def test_minimax_8_concurrent_requests(minimax_pd, minimax_reference, http):
     prompts = client.prompts(8, 90, seed=308)
     answers = await asyncio.gather(*(client.generate(http, minimax_pd.url, p, ANSWER_TOKENS) for p in prompts))
-    wrong = [i for i, (a, p) in enumerate(zip(answers, prompts)) if a.output_ids != await minimax_reference.answer(p)]
-    assert not wrong, f"requests {wrong} answered other tokens than the reference"
+    wrong = {i: why for i, (a, p) in enumerate(zip(answers, prompts))
+             if (why := await minimax_reference.mismatch(p, a.output_ids))}
+    assert not wrong, f"requests answered other tokens than the reference: {wrong}"
     await settled(minimax_pd, minimax_reference, http)
 
 
@@ -87,7 +89,7 @@ async def test_minimax_request_whose_prefix_decode_holds(minimax_pd, minimax_ref
     longer = first + client.prompts(1, 40, seed=311)[0]
     answer = await client.generate(http, minimax_pd.url, longer, ANSWER_TOKENS)
     assert answer.meta.get("cached_tokens", 0) > 0, f"decode found no prefix: {answer.meta}"
-    assert answer.output_ids == await minimax_reference.answer(longer)
+    assert (why := await minimax_reference.mismatch(longer, answer.output_ids)) is None, why
     await settled(minimax_pd, minimax_reference, http)
 
 
@@ -98,6 +100,6 @@ async def test_decode_answers_depend_on_its_index_k(minimax_pd, minimax_referenc
         answer = await client.generate(http, minimax_pd.url, prompt, ANSWER_TOKENS)
     finally:
         corruption_switch.write_text("")
-    assert answer.output_ids != await minimax_reference.answer(prompt), \
+    assert await minimax_reference.mismatch(prompt, answer.output_ids), \
         "decode answered the same with its index K read wrongly: equal tokens would not show it arrived"
     await settled(minimax_pd, minimax_reference, http)

@@ -35,23 +35,24 @@ async def test_greedy_tokens_equal_the_reference_servers(pd, reference, http):
     for length in (5, 63, 64, 65, 200):
         prompt = client.prompts(1, length, seed=length)[0]
         answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-        assert answer.output_ids == await reference.answer(prompt), f"prompt of {length} tokens"
+        why = await reference.mismatch(prompt, answer.output_ids)
+        assert why is None, f"prompt of {length} tokens: {why}"
     await settled(pd, reference, http)
 
 
 async def test_32_concurrent_requests(pd, reference, http):
     prompts = client.prompts(32, 90, seed=32)
     answers = await asyncio.gather(*(client.generate(http, pd.url, p, ANSWER_TOKENS) for p in prompts))
-    expected = [await reference.answer(p) for p in prompts]
-    wrong = [i for i, (a, e) in enumerate(zip(answers, expected)) if a.output_ids != e]
-    assert not wrong, f"requests {wrong} answered other tokens than the reference"
+    wrong = {i: why for i, (a, p) in enumerate(zip(answers, prompts))
+             if (why := await reference.mismatch(p, a.output_ids))}
+    assert not wrong, f"requests answered other tokens than the reference: {wrong}"
     await settled(pd, reference, http)
 
 
 async def test_long_prompt_in_many_parts(pd, reference, http):
     prompt = client.prompts(1, 40 * CHUNK_TOKENS + 17, seed=41)[0]  # 41 parts
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-    assert answer.output_ids == await reference.answer(prompt)
+    assert (why := await reference.mismatch(prompt, answer.output_ids)) is None, why
     await settled(pd, reference, http)
 
 
@@ -61,7 +62,7 @@ async def test_request_whose_prefix_decode_holds(pd, reference, http):
     longer = first + client.prompts(1, 50, seed=8)[0]
     answer = await client.generate(http, pd.url, longer, ANSWER_TOKENS)
     assert answer.meta.get("cached_tokens", 0) > 0, f"decode found no prefix: {answer.meta}"
-    assert answer.output_ids == await reference.answer(longer)
+    assert (why := await reference.mismatch(longer, answer.output_ids)) is None, why
     await settled(pd, reference, http)
 
 
@@ -70,7 +71,7 @@ async def test_request_whose_whole_prompt_decode_holds(pd, reference, http):
     moves, only the first token (SGLang's zero-page last chunk)."""
     prompt = client.prompts(1, 2 * CHUNK_TOKENS + 3, seed=9)[0]
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-    assert answer.output_ids == await reference.answer(prompt)
+    assert (why := await reference.mismatch(prompt, answer.output_ids)) is None, why
     before = await brokers_idle(pd)
     again = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
     assert again.output_ids == answer.output_ids
@@ -83,7 +84,7 @@ async def test_client_that_disconnects_after_bootstrap(pd, reference, http):
     """The first token came back (decode holds the KV; the transfer is done), then the client goes."""
     prompt = client.prompts(1, 130, seed=51)[0]
     ids = await client.first_token_then_drop(http, pd.url, prompt, max_new_tokens=200)
-    assert ids[:1] == (await reference.answer(prompt))[:1]
+    assert await reference.mismatch(prompt, ids[:1], tokens=1) is None
     await settled(pd, reference, http)
 
 
@@ -124,7 +125,8 @@ async def _restart_then_ask(pd, reference, http, side: str, seed: int) -> None:
     assert await until(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
     prompt = client.prompts(1, 100, seed=seed)[0]
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-    assert answer.output_ids == await reference.answer(prompt), f"after the {side} broker restarted"
+    why = await reference.mismatch(prompt, answer.output_ids)
+    assert why is None, f"after the {side} broker restarted: {why}"
     await settled(pd, reference, http)
 
 
@@ -155,7 +157,7 @@ async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
     await pd.start_decode()
     await settled(pd, reference, http)
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)  # the same request, again
-    assert answer.output_ids == await reference.answer(prompt)
+    assert (why := await reference.mismatch(prompt, answer.output_ids)) is None, why
     await settled(pd, reference, http)
 
 

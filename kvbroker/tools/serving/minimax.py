@@ -63,10 +63,10 @@ SERVER_ENV = {
     "TORCH_COMPILE_DISABLE": "1",
 }
 
-# Server flags the model needs besides the CPU ones (--device cpu --attention-backend torch_native ...).
-# --dtype float32: with "auto" SGLang 0.5.23 runs a float32 config in float16 on CPU, and a server of
-# this model in float16 was seen never to answer its first /health_generate.
-SERVER_ARGS = ("--trust-remote-code", "--load-format", "dummy", "--dtype", "float32")
+# Server flags the model needs besides the CPU ones (--device cpu --dtype float32 ...; in float16, as
+# SGLang 0.5.23's "auto" runs a float32 config on CPU, a server of this model never answered its first
+# /health_generate).
+SERVER_ARGS = ("--trust-remote-code", "--load-format", "dummy")
 
 CORRUPT_ENV = "KVBROKER_MINIMAX_CORRUPT_INDEX_K"
 

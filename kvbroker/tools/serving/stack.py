@@ -37,7 +37,10 @@ SITE = Path(__file__).resolve().parent / "site"
 LOG_TAIL_LINES = 40
 
 # What SGLang 0.5.23 needs to serve on a CPU machine (../shared/research/sglang-cpu-serving.md says why).
-CPU_FLAGS = ("--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+# --dtype float32: with "auto" SGLang 0.5.23 runs a float32 config in float16 on CPU, where two candidate
+# tokens often tie exactly, and a PD pair (other batches, other chunks) then picks the other one of the
+# two than a non-PD server does.
+CPU_FLAGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native", "--disable-cuda-graph",
              "--disable-overlap-schedule", "--grammar-backend", "none", "--host", "127.0.0.1",
              "--skip-server-warmup", "--log-level", "info", "--max-total-tokens", "16384")
 DECODE_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
