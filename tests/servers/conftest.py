@@ -9,6 +9,7 @@ after each case, so cases stay independent though the servers are shared.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -30,7 +31,6 @@ PREFILL_ARGS = ("--chunked-prefill-size", str(CHUNK_TOKENS), "--log-requests", "
 DECODE_ARGS = ("--disaggregation-decode-enable-radix-cache",)
 # A request that lost its peer ends in seconds, not SGLang's default 300.
 SERVER_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
-
 
 
 def pytest_collection_modifyitems(items):
@@ -129,3 +129,61 @@ async def settled(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientS
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
     assert not await reference.mismatch(prompt, answer.output_ids)
     assert pd.prefill.alive() and pd.decode.alive()
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
+    async with http.post(url, json=body) as response:
+        assert response.status == 200, f"POST {url}: HTTP {response.status}: {await response.text()}"
+
+
+def received(server: stack.ServerProcess) -> int:
+    """Requests the server's log says it received (it runs with --log-requests), the router's health
+    checks aside."""
+    return sum(1 for line in server.log_path.read_text(errors="replace").splitlines()
+               if "Receive: obj=GenerateReqInput(" in line and "HEALTH_CHECK" not in line)
+
+
+async def disconnect_after_bootstrap(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientSession,
+                                     prompt: list[int]) -> None:
+    """The first token came back (decode holds the KV; the transfer is done), then the client goes."""
+    ids = await client.first_token_then_drop(http, pd.url, prompt, max_new_tokens=200)
+    assert await reference.mismatch(prompt, ids[:1], tokens=1) is None
+    await settled(pd, reference, http)
+
+
+async def disconnect_before_bootstrap(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientSession,
+                                      prompt: list[int]) -> None:
+    """Decode paused in place ingests requests but sends no metadata: prefill holds the request in its
+    bootstrap queue, unbootstrapped, when the client goes; then decode resumes."""
+    before = received(pd.prefill)
+    await post(http, pd.decode.url + "/pause_generation", {"mode": "in_place"})
+    try:
+        request = asyncio.ensure_future(client.generate(http, pd.url, prompt, ANSWER_TOKENS))
+
+        async def prefill_has_it():  # no event says so; --log-requests logs each request prefill took
+            return received(pd.prefill) > before
+
+        assert await until(prefill_has_it, timeout=60), "prefill never received the request"
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+    finally:
+        await post(http, pd.decode.url + "/continue_generation", {})
+    await settled(pd, reference, http)
+
+
+async def restart_broker_then_ask(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientSession,
+                                  side: str, prompt: list[int]) -> None:
+    await pd.restart_broker(side)
+
+    async def registered():
+        return (await stack.broker_holds(pd.brokers[side]))["engines"] == 1
+
+    # The server's client registers its engine again as soon as its broker is back, with no call of
+    # its own: a prefill server idle between requests would otherwise be found by decode's offer
+    # with no engine (NOT_FOUND), and the next request would fail.
+    assert await until(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
+    answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
+    why = await reference.mismatch(prompt, answer.output_ids)
+    assert why is None, f"after the {side} broker restarted: {why}"
+    await settled(pd, reference, http)

@@ -19,7 +19,17 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.tools.serving import client, minimax, stack
-from tests.servers.conftest import ANSWER_TOKENS, CHUNK_TOKENS, SERVER_ENV, Reference, settled
+from tests.servers import conftest
+from tests.servers.conftest import (
+    ANSWER_TOKENS,
+    CHUNK_TOKENS,
+    SERVER_ENV,
+    Reference,
+    disconnect_after_bootstrap,
+    disconnect_before_bootstrap,
+    restart_broker_then_ask,
+    settled,
+)
 
 # The servers run the model's experts eagerly (minimax.SERVER_ENV, TORCH_COMPILE_DISABLE): compiled, a
 # server's first request waited minutes for inductor's C++ builds, and three of them starting together
@@ -28,7 +38,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 ENGINES = ["nixl", "mooncake"]
 MINIMAX_ENV = {"KVBROKER_SERVING_MINIMAX": "1", **minimax.SERVER_ENV, **SERVER_ENV}
-PREFILL_ARGS = (*minimax.SERVER_ARGS, "--chunked-prefill-size", str(CHUNK_TOKENS))
+# conftest.PREFILL_ARGS: --chunked-prefill-size and --log-requests (the disconnect case reads prefill's log)
+PREFILL_ARGS = (*minimax.SERVER_ARGS, *conftest.PREFILL_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +114,24 @@ async def test_decode_answers_depend_on_its_index_k(minimax_pd, minimax_referenc
     assert await minimax_reference.mismatch(prompt, answer.output_ids), \
         "decode answered the same with its index K read wrongly: equal tokens would not show it arrived"
     await settled(minimax_pd, minimax_reference, http)
+
+
+async def test_minimax_client_that_disconnects_after_bootstrap(minimax_pd, minimax_reference, http):
+    """Decode holds the three components when the client goes: its abort frees the sparse, index-K
+    and dense pages, and prefill's broker forgets the finished grant."""
+    await disconnect_after_bootstrap(minimax_pd, minimax_reference, http, client.prompts(1, 130, seed=312)[0])
+
+
+async def test_minimax_client_that_disconnects_before_bootstrap(minimax_pd, minimax_reference, http):
+    """Prefill holds the request unbootstrapped when the client goes: no component's offer is left
+    on either broker, and the next request answers as the reference does."""
+    await disconnect_before_bootstrap(minimax_pd, minimax_reference, http, client.prompts(1, 130, seed=313)[0])
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_minimax_broker_restarted_between_requests(minimax_pd, minimax_reference, http, side):
+    """The server's engine is back on the new broker with no call of its own; the next request moves
+    all three components through it."""
+    prompt = client.prompts(1, 100, seed=314 if side == "prefill" else 315)[0]
+    await restart_broker_then_ask(minimax_pd, minimax_reference, http, side, prompt)
+

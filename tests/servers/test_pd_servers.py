@@ -12,12 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
 from kvbroker.tools.serving import client, stack
-from tests.servers.conftest import ANSWER_TOKENS, CHUNK_TOKENS, brokers_idle, settled, start_stack, until
+from tests.servers.conftest import (
+    ANSWER_TOKENS,
+    CHUNK_TOKENS,
+    brokers_idle,
+    disconnect_after_bootstrap,
+    disconnect_before_bootstrap,
+    post,
+    restart_broker_then_ask,
+    settled,
+    start_stack,
+    until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -81,53 +91,15 @@ async def test_request_whose_whole_prompt_decode_holds(pd, reference, http):
 
 
 async def test_client_that_disconnects_after_bootstrap(pd, reference, http):
-    """The first token came back (decode holds the KV; the transfer is done), then the client goes."""
-    prompt = client.prompts(1, 130, seed=51)[0]
-    ids = await client.first_token_then_drop(http, pd.url, prompt, max_new_tokens=200)
-    assert await reference.mismatch(prompt, ids[:1], tokens=1) is None
-    await settled(pd, reference, http)
+    await disconnect_after_bootstrap(pd, reference, http, client.prompts(1, 130, seed=51)[0])
 
 
 async def test_client_that_disconnects_before_bootstrap(pd, reference, http):
-    """Decode paused in place ingests requests but sends no metadata: prefill holds the request in its
-    bootstrap queue, unbootstrapped, when the client goes; then decode resumes."""
-    prompt = client.prompts(1, 130, seed=52)[0]
-    received = _received(pd.prefill)
-    await _post(http, pd.decode.url + "/pause_generation", {"mode": "in_place"})
-    try:
-        request = asyncio.ensure_future(client.generate(http, pd.url, prompt, ANSWER_TOKENS))
-
-        async def prefill_has_it():  # no event says so; --log-requests logs each request prefill took
-            return _received(pd.prefill) > received
-
-        assert await until(prefill_has_it, timeout=60), "prefill never received the request"
-        request.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await request
-    finally:
-        await _post(http, pd.decode.url + "/continue_generation", {})
-    await settled(pd, reference, http)
+    await disconnect_before_bootstrap(pd, reference, http, client.prompts(1, 130, seed=52)[0])
 
 
 async def test_decode_broker_restarted_between_requests(pd, reference, http):
-    await _restart_then_ask(pd, reference, http, "decode", seed=72)
-
-
-async def _restart_then_ask(pd, reference, http, side: str, seed: int) -> None:
-    await pd.restart_broker(side)
-
-    async def registered():
-        return (await stack.broker_holds(pd.brokers[side]))["engines"] == 1
-
-    # The server's client registers its engine again as soon as its broker is back, with no call of
-    # its own: a prefill server idle between requests would otherwise be found by decode's offer
-    # with no engine (NOT_FOUND), and the next request would fail.
-    assert await until(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
-    prompt = client.prompts(1, 100, seed=seed)[0]
-    answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-    why = await reference.mismatch(prompt, answer.output_ids)
-    assert why is None, f"after the {side} broker restarted: {why}"
-    await settled(pd, reference, http)
+    await restart_broker_then_ask(pd, reference, http, "decode", client.prompts(1, 100, seed=72)[0])
 
 
 async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
@@ -144,14 +116,14 @@ async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
         return request.done() or now["transferring"] > before["transferring"]
 
     assert await until(transferring, timeout=120), "the prefill broker never started the transfer"
-    await _post(http, pd.prefill.url + "/pause_generation", {"mode": "in_place"})
+    await post(http, pd.prefill.url + "/pause_generation", {"mode": "in_place"})
     try:
         held = await stack.broker_holds(pd.brokers["prefill"])
         assert held["live_requests"] > 0 and held["succeeded"] == before["succeeded"], \
             f"the transfer ended before decode was killed; nothing was cut: {held}"
         await pd.decode.kill()
     finally:
-        await _post(http, pd.prefill.url + "/continue_generation", {})
+        await post(http, pd.prefill.url + "/continue_generation", {})
     with contextlib.suppress(Exception):  # cut with its decode server: it fails, however the router says it
         await asyncio.wait_for(request, 120)
     await pd.start_decode()
@@ -161,18 +133,7 @@ async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
     await settled(pd, reference, http)
 
 
-async def _post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
-    async with http.post(url, json=body) as response:
-        assert response.status == 200, f"POST {url}: HTTP {response.status}: {await response.text()}"
-
-
-def _received(server: stack.ServerProcess) -> int:
-    """Requests the server's log says it received, the router's health checks aside."""
-    return sum(1 for line in server.log_path.read_text(errors="replace").splitlines()
-               if "Receive: obj=GenerateReqInput(" in line and "HEALTH_CHECK" not in line)
-
-
 async def test_prefill_broker_restarted_between_requests(pd, reference, http):
     """Prefill's server makes no call between requests; its engine is back on the new broker before
     decode's next offer reaches it."""
-    await _restart_then_ask(pd, reference, http, "prefill", seed=71)
+    await restart_broker_then_ask(pd, reference, http, "prefill", client.prompts(1, 100, seed=71)[0])
