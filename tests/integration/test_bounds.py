@@ -121,9 +121,10 @@ async def cpu_per_mib(pid: int, address: str, method: str, payload: bytes, round
 
 
 # A request refused by its size costs its bytes' receipt, not a parse: per MiB, measured on the 2-core
-# machine, 0.30 (peer port) and 0.38 (local API) of what a request of the same page ids costs that is
-# parsed (and refused NOT_FOUND); with the request parsed before its size is checked, 0.89 and 2.2.
-REFUSED_COST = 0.6
+# machine, 0.24-0.30 (peer port) and 0.38-0.41 (local API) of what a request of the same page ids
+# costs that is parsed (and refused NOT_FOUND); with the request parsed before its size is checked,
+# 0.89 and 2.2. Each bound lies about halfway (geometrically) between the two.
+REFUSED_COST = {"peer": 0.6, "local": 1.0}
 
 
 def page_ids(count: int, largest: int = (1 << 20) - 1) -> list[int]:
@@ -192,7 +193,7 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
               f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks, "
               f"broker CPU {watch.cpu_s:.2f}s; CPU per MiB refused by size {1000 * refused_cost:.1f} ms, "
               f"parsed {1000 * parsed_cost:.1f} ms")
-        assert refused_cost < REFUSED_COST * parsed_cost, \
+        assert refused_cost < REFUSED_COST["peer"] * parsed_cost, \
             f"a request refused by its size cost {refused_cost / parsed_cost:.2f} of a parsed one's CPU per MiB"
     finally:
         assert await close_broker(broker) == 0
@@ -270,7 +271,7 @@ async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
               f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks, "
               f"broker CPU {watch.cpu_s:.2f}s; CPU per MiB refused by size {1000 * refused_cost:.1f} ms, "
               f"parsed {1000 * parsed_cost:.1f} ms")
-        assert refused_cost < REFUSED_COST * parsed_cost, \
+        assert refused_cost < REFUSED_COST["local"] * parsed_cost, \
             f"a request refused by its size cost {refused_cost / parsed_cost:.2f} of a parsed one's CPU per MiB"
     finally:
         assert await close_broker(broker) == 0
