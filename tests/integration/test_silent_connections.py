@@ -7,9 +7,9 @@ afresh is served: its offer is taken and its request written.
 Each socket's end is awaited as its EOF (or reset), with a timeout (EOF_WAIT_S) well below grpc
 core's own handshake timeout (120 s): without peer_handshake_timeout_s in the peer port's options
 (grpc.server_handshake_timeout_ms, grpc.http2.settings_timeout) the plaintext case fails, 32 of 128
-still open after 60 s. Without them the mTLS case failed in one run and passed in another (run after
-the plaintext case, whose 60 s wait it shared), so it is only sometimes a check of the setting
-itself; it pins that the bound holds under TLS as well."""
+still open after 60 s. Without them the mTLS case failed when run alone and passed once when run
+after the plaintext case (not understood), so it is not a reliable check of the setting itself; it
+pins that the bound holds under TLS as well."""
 
 from __future__ import annotations
 
