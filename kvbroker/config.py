@@ -26,6 +26,15 @@ class Settings(BaseSettings):
                                                "from threads of its own, so that a busy peer flood does not delay "
                                                "the probes: host:port or unix:/path; empty: none (health is on "
                                                "listen and peer_listen too)")
+    health_beat_s: float = Field(1.0, gt=0, description="how often the event loop beats into the health listener, "
+                                                      "seconds")
+    health_stall_s: float = Field(20.0, gt=0, description="the health listener answers NOT_SERVING while the event "
+                                                         "loop's last beat is older than this (a wedged loop), "
+                                                         "seconds; keep it above health_beat_s and any delay a "
+                                                         "flood causes, below the liveness probe's window")
+    health_threads: int = Field(2, gt=0, description="threads of the health listener that answer Check")
+    health_max_calls: int = Field(64, gt=0, description="calls the health listener holds at once; more are refused "
+                                                       "RESOURCE_EXHAUSTED, not queued")
     advertise_host: str = Field("", description="host peers reach this broker by; default: the peer listener's "
                                               "host, or broker_id when it listens on all interfaces")
     broker_id: str = Field(default_factory=socket.gethostname, description="this broker's id in peer handshakes")
@@ -136,6 +145,13 @@ class Settings(BaseSettings):
         if value:
             parse_port_range(value)
         return value
+
+    @model_validator(mode="after")
+    def _a_stall_outlasts_a_beat(self) -> Settings:
+        if self.health_stall_s <= self.health_beat_s:
+            raise ValueError(f"health_stall_s ({self.health_stall_s:g}) must exceed health_beat_s "
+                             f"({self.health_beat_s:g}): else a live loop reads as stalled between beats")
+        return self
 
     @model_validator(mode="after")
     def _tls_files_come_together(self) -> Settings:

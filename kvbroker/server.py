@@ -44,7 +44,7 @@ from kvbroker.edge.tls import PeerTls
 from kvbroker.edge.trust import PeerCalls, PeerGate
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.limits import Limits
-from kvbroker.ops.health_listener import BEAT_S, HealthListener
+from kvbroker.ops.health_listener import HealthListener
 from kvbroker.ops.metrics import Metrics
 from kvbroker.ops.trim import MemoryTrim
 from kvbroker.peers.clients import PeerClients
@@ -324,21 +324,24 @@ class BrokerServer:
 
     def _start_health_listener(self, address: str) -> str:
         """The health listener bound and started (NOT_SERVING until startup ends); its address as bound."""
-        listener = self._health_listener = HealthListener((BROKER_SERVICE, PEER_SERVICE))
+        s = self.settings
+        listener = self._health_listener = HealthListener((BROKER_SERVICE, PEER_SERVICE), stall_s=s.health_stall_s,
+                                                          threads=s.health_threads, max_calls=s.health_max_calls)
         if address.startswith("unix:"):
             self._sockets.append(bind_unix(listener.server, unix_path(address)))
             bound = address
         else:
             bound = listener.bind(address)
         listener.start()
-        self._beating = asyncio.get_running_loop().create_task(self._beat(listener), name="health-beat")
+        self._beating = asyncio.get_running_loop().create_task(self._beat(listener, s.health_beat_s),
+                                                               name="health-beat")
         return bound
 
     @staticmethod
-    async def _beat(listener: HealthListener) -> None:
+    async def _beat(listener: HealthListener, every_s: float) -> None:
         while True:
             listener.beat()
-            await asyncio.sleep(BEAT_S)
+            await asyncio.sleep(every_s)
 
     async def serve(self, ready: Callable[[Endpoints], None] | None = None) -> int:
         """Start, call `ready` with the bound endpoints, serve until a signal, shut down. Returns the

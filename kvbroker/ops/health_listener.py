@@ -10,9 +10,11 @@ backlog. It serves Check only: Watch holds a pool thread for as long as it runs,
 (UNIMPLEMENTED, naming the local API, where Watch is served); nor does it serve reflection.
 
 A thread answers even when the loop is wedged, which would blind the liveness probe: so the loop
-beats (`beat`, every BEAT_S from server.py), and Check answers NOT_SERVING while the last beat is
-older than `stall_s` (STALL_S, 20 s: longer than any flood's delay measured, 3 s, shorter than
-the manifests' liveness window, 30 s), whatever the status set.
+beats (`beat`, every health_beat_s from server.py), and Check answers NOT_SERVING while the last beat
+is older than `stall_s` (health_stall_s, 20 s by default: longer than any flood's delay measured,
+3 s, shorter than the manifests' liveness window, 30 s), whatever the status set. Its threads and
+the calls it holds at once are settings too (health_threads, health_max_calls); the defaults below
+are the Settings' own, for a listener built without them.
 
 `HealthListener`: bind (host:port, port 0 resolved; a Unix socket is bound by server.bind_unix on
 `.server`), start, serving / draining (thread-safe: grpc_health's synchronous HealthServicer takes
@@ -28,7 +30,6 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-BEAT_S = 1.0  # how often the loop beats
 STALL_S = 20.0  # a loop that has not beaten for this long is reported NOT_SERVING
 THREADS = 2  # Check is a dict lookup under a lock: two threads answer a probe while the other is slow to send
 MAX_CALLS = 64  # calls held at once; more are refused RESOURCE_EXHAUSTED, not queued behind a flood of probes
@@ -57,14 +58,14 @@ class CheckOnlyHealth(health.HealthServicer):
 
 
 class HealthListener:
-    def __init__(self, services: tuple[str, ...], stall_s: float = STALL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, services: tuple[str, ...], stall_s: float = STALL_S, threads: int = THREADS,
+                 max_calls: int = MAX_CALLS, clock: Callable[[], float] = time.monotonic) -> None:
         self._services = ("", *services)
         self._clock, self._stall_s = clock, stall_s
         self._beaten = clock()
         self._servicer = CheckOnlyHealth(lambda: self._clock() - self._beaten > self._stall_s)
-        self._server = grpc.server(futures.ThreadPoolExecutor(THREADS, thread_name_prefix="kvbroker-health"),
-                                   options=OPTIONS, maximum_concurrent_rpcs=MAX_CALLS)
+        self._server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="kvbroker-health"),
+                                   options=OPTIONS, maximum_concurrent_rpcs=max_calls)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
         self.not_serving()  # bound and started before the broker is: NOT_SERVING until serving()
 

@@ -5,7 +5,10 @@ refuses it, by the path that should refuse it: a request over its method's bound
 before it is parsed (its details say so, kvbroker_refused_requests_total counts it under
 too_large, and the same bytes made unparseable are refused alike); the broker's memory (VmRSS of
 its process, against its own figure before the flood) stays bounded and health keeps answering
-SERVING meanwhile. How fast health answers under a flood is measured in benchmarks/health_flood.py,
+SERVING meanwhile; and a request refused by its size costs the broker's CPU for its bytes, not for
+a parse (`cpu_per_mib`: against a parsed request of the same page ids, on the same broker in the same
+run, so that neither the machine's speed nor its load decides it; a refusal that reads the same but
+parsed the request first fails there). How fast health answers under a flood is measured in benchmarks/health_flood.py,
 not bounded here: a time bound fails for load alone on a shared machine."""
 
 from __future__ import annotations
@@ -28,12 +31,14 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from tests.conftest import ALL, close_broker, open_broker, until
-from tests.integration.watch import Watch, rss_mib
+from tests.integration.watch import Watch, cpu_s, rss_mib
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 CONCURRENT = 16
+CLAIM_GRANT = "/kvbroker.v1.PeerService/ClaimGrant"
+EXPECT_TRANSFER = "/kvbroker.v1.BrokerService/ExpectTransfer"
 
 
 async def health_times(address: str, count: int = 10) -> list[float]:
@@ -103,6 +108,25 @@ async def raw_calls(address: str, method: str, payloads: list[bytes], rounds: in
     return results
 
 
+async def cpu_per_mib(pid: int, address: str, method: str, payload: bytes, rounds: int,
+                      concurrent: int = CONCURRENT) -> tuple[float, set[str]]:
+    """The broker's CPU seconds per MiB received while `payload` is sent `rounds` times on `concurrent`
+    channels (raw_calls), and the codes the calls got. The same broker's CPU for the same bytes in the
+    same run: a slow or loaded machine stretches two such figures alike, so their ratio is the
+    broker's, not the machine's."""
+    before = cpu_s(pid)
+    results = await raw_calls(address, method, [payload], rounds, concurrent)
+    spent = cpu_s(pid) - before
+    return spent / (len(payload) * rounds * concurrent / MiB), {code for _, code, _ in results}
+
+
+# A request refused by its size costs its bytes' receipt, not a parse: per MiB, measured on the 2-core
+# machine, 0.24-0.30 (peer port) and 0.38-0.41 (local API) of what a request of the same page ids
+# costs that is parsed (and refused NOT_FOUND); with the request parsed before its size is checked,
+# 0.89 and 2.2. Each bound lies about halfway (geometrically) between the two.
+REFUSED_COST = {"peer": 0.6, "local": 1.0}
+
+
 def page_ids(count: int, largest: int = (1 << 20) - 1) -> list[int]:
     """Page ids that take the most bytes a valid id may (3-byte varints, below max_pages_per_request)."""
     return [largest] * count
@@ -136,7 +160,7 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
             pb.ComponentPages(component=c, page_ids=page_ids(900_000)) for c in (1, 2, 3, 4)])
         counted = await asyncio.to_thread(refused_counts, broker)
         async with Watch(pid, [broker.process.listen, broker.peer_address]).during() as watch:
-            claims = await raw_calls(broker.peer_address, "/kvbroker.v1.PeerService/ClaimGrant", payloads, rounds=3)
+            claims = await raw_calls(broker.peer_address, CLAIM_GRANT, payloads, rounds=3)
             offers = await raw_calls(broker.peer_address, "/kvbroker.v1.PeerService/OfferGrant",
                                      [offer.SerializeToString()], rounds=3)
         after = await settled_rss(pid, baseline + 200)
@@ -158,9 +182,19 @@ async def test_a_strangers_big_peer_messages_are_refused_before_any_work():
         assert watch.peak < baseline + 768, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
         watch.assert_serving()
+        # What a refusal costs: the 9 MiB ClaimGrant refused by its size against the 3 MiB one parsed
+        # (and refused NOT_FOUND), the same page ids, per MiB received. Parsed before its size is
+        # checked, the refused one costs about as much as the parsed one; refused unparsed, a third.
+        refused_cost, codes = await cpu_per_mib(pid, broker.peer_address, CLAIM_GRANT, payloads[1], rounds=2)
+        assert codes == {"RESOURCE_EXHAUSTED"}, codes
+        parsed_cost, codes = await cpu_per_mib(pid, broker.peer_address, CLAIM_GRANT, payloads[2], rounds=6)
+        assert codes == {"NOT_FOUND"}, codes
         print(f"remote flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
               f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks, "
-              f"broker CPU {watch.cpu_s:.2f}s")
+              f"broker CPU {watch.cpu_s:.2f}s; CPU per MiB refused by size {1000 * refused_cost:.1f} ms, "
+              f"parsed {1000 * parsed_cost:.1f} ms")
+        assert refused_cost < REFUSED_COST["peer"] * parsed_cost, \
+            f"a request refused by its size cost {refused_cost / parsed_cost:.2f} of a parsed one's CPU per MiB"
     finally:
         assert await close_broker(broker) == 0
 
@@ -211,7 +245,7 @@ async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
         async with Watch(pid, [broker.process.listen]).during() as watch:
             registers = await raw_calls(broker.process.listen, "/kvbroker.v1.BrokerService/RegisterEngine",
                                         [register, unparseable(register)], rounds=2, concurrent=4)
-            expects = await raw_calls(broker.process.listen, "/kvbroker.v1.BrokerService/ExpectTransfer",
+            expects = await raw_calls(broker.process.listen, EXPECT_TRANSFER,
                                       [expect, small_expect, unparseable(expect)], rounds=4, concurrent=4)
         after = await settled_rss(pid, baseline + 200)
         # Parseable or not, each big one is refused by its size before parsing (were it parsed first,
@@ -226,9 +260,19 @@ async def test_a_local_servers_big_messages_naming_no_engine_are_refused_fast():
         assert watch.peak < baseline + 1536, f"peak {watch.peak:.0f} MiB from {baseline:.0f}"
         assert after < baseline + 200, f"{after:.0f} MiB after the flood, from {baseline:.0f}"
         watch.assert_serving()
+        # The 60 MiB ExpectTransfer refused by its size against the 3 MiB one parsed, per MiB (as above)
+        refused_cost, codes = await cpu_per_mib(pid, broker.process.listen, EXPECT_TRANSFER, expect, rounds=1,
+                                                concurrent=4)
+        assert codes == {"RESOURCE_EXHAUSTED"}, codes
+        parsed_cost, codes = await cpu_per_mib(pid, broker.process.listen, EXPECT_TRANSFER, small_expect, rounds=20,
+                                               concurrent=4)
+        assert codes == {"NOT_FOUND"}, codes
         print(f"local flood: baseline {baseline:.0f} MiB, peak {watch.peak:.0f}, after {after:.0f}, "
               f"slowest health {max(watch.health_s):.2f}s over {len(watch.health_s)} checks, "
-              f"broker CPU {watch.cpu_s:.2f}s")
+              f"broker CPU {watch.cpu_s:.2f}s; CPU per MiB refused by size {1000 * refused_cost:.1f} ms, "
+              f"parsed {1000 * parsed_cost:.1f} ms")
+        assert refused_cost < REFUSED_COST["local"] * parsed_cost, \
+            f"a request refused by its size cost {refused_cost / parsed_cost:.2f} of a parsed one's CPU per MiB"
     finally:
         assert await close_broker(broker) == 0
 

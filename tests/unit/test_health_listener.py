@@ -7,7 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pydantic import ValidationError
 
+from kvbroker.config import Settings
 from kvbroker.ops.health_listener import HealthListener
 
 SERVICE = "kvbroker.v1.BrokerService"
@@ -71,3 +73,11 @@ def test_unknown_services_are_not_found_and_watch_is_refused_naming_the_local_ap
         with pytest.raises(grpc.RpcError) as info:
             next(watch)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "local API" in info.value.details()
+
+
+def test_the_listeners_bounds_are_settings_and_a_stall_must_outlast_a_beat():
+    s = Settings(health_beat_s=5.0, health_stall_s=6.0, health_threads=3, health_max_calls=8)
+    assert (s.health_beat_s, s.health_stall_s, s.health_threads, s.health_max_calls) == (5.0, 6.0, 3, 8)
+    assert (Settings().health_beat_s, Settings().health_stall_s) == (1.0, 20.0)
+    with pytest.raises(ValidationError, match="must exceed health_beat_s"):
+        Settings(health_beat_s=5.0, health_stall_s=5.0)  # a live loop would read as stalled between beats
