@@ -335,6 +335,19 @@ async def test_an_offer_flood_is_held_to_its_identitys_quota_and_real_offers_are
 # Health while the peer port is flooded
 
 
+# deploy/base/deployment.yaml probes every 2 s: a health answer within a quarter of that keeps every
+# probe in time on any machine. Without the bounds before work, a flooded broker answered health in
+# seconds (5.95 s in issue 21's attack); with them, on this 2-core machine under two whole suites at
+# once, 89 ms median against a calm 3 ms: ten times the calm median alone failed a healthy broker.
+PROBE_SHARE_S = 0.5
+
+
+def health_bound(before: list[float]) -> float:
+    """What the median health time while flooded may be: ten times its calm median, the slowest calm
+    check, or a quarter of the probes' period, whichever is largest."""
+    return max(10 * statistics.median(before), max(before), PROBE_SHARE_S)
+
+
 async def health_times(address: str, n: int = 30) -> list[float]:
     """How long each of `n` health checks took; each must answer SERVING."""
     out = []
@@ -352,8 +365,7 @@ async def test_health_on_the_local_api_answers_while_the_peer_port_is_flooded_wi
         brokers, engines, request_id):
     """3000 idle connections on the peer port (over max_peer_connections, 1024): the local API's health,
     which the probes ask (deploy/, kvbroker.ops.probe), answers SERVING each time, its median within
-    ten times its median before the flood (or the slowest check before it), and a request of a peer
-    already connected still moves."""
+    `health_bound` of the checks before the flood, and a request of a peer already connected still moves."""
     if brokers.backend != "nixl":
         pytest.skip("one engine is enough: no engine is involved")
     src = await engines.make(brokers.prefill, "prefill", seed=42)
@@ -366,8 +378,7 @@ async def test_health_on_the_local_api_answers_while_the_peer_port_is_flooded_wi
         await offer(dst, src, request_id, {MAIN: [5, 6]})
         done = await part(src, request_id, {MAIN: [2, 3]})
     assert done.status.state == pb.TRANSFER_STATE_SUCCEEDED
-    bound = max(10 * statistics.median(before), max(before))
-    assert statistics.median(during) <= bound, (statistics.median(during), before)
+    assert statistics.median(during) <= health_bound(before), (statistics.median(during), before)
 
 
 HEALTH_CHILD = """
@@ -413,8 +424,7 @@ async def health_in_child(address: str, n: int, busy=None) -> list[float]:
 async def test_health_on_the_local_api_answers_while_the_peer_port_is_busy_with_big_requests(brokers):
     """16 callers keep sending OfferGrants of 3 page lists of a million ids each (about 9 MB, refused
     or kept up to the quotas) to the peer port: the local API's health, asked from another process,
-    answers SERVING each time, its median within ten times its own median before (or the slowest
-    check before)."""
+    answers SERVING each time, its median within `health_bound` of its checks before."""
     if brokers.backend != "nixl":
         pytest.skip("one engine is enough: no engine is involved")
     broker = brokers.prefill
@@ -439,5 +449,4 @@ async def test_health_on_the_local_api_answers_while_the_peer_port_is_busy_with_
 
     before = await health_in_child(broker.process.listen, 30)
     during = await health_in_child(broker.process.listen, 30, busy=flood)
-    bound = max(10 * statistics.median(before), max(before))
-    assert statistics.median(during) <= bound, (statistics.median(during), before)
+    assert statistics.median(during) <= health_bound(before), (statistics.median(during), before)
