@@ -127,7 +127,7 @@ async def settled(pd: stack.PDStack, reference: Reference, http: aiohttp.ClientS
     # only the first token's aux row moves (kvbroker_sglang.aux_only).
     prompt = prompt or client.prompts(1, 40, seed=10_000)[0]
     answer = await client.generate(http, pd.url, prompt, ANSWER_TOKENS)
-    assert not await reference.mismatch(prompt, answer.output_ids)
+    assert (why := await reference.mismatch(prompt, answer.output_ids)) is None, f"the settling request: {why}"
     assert pd.prefill.alive() and pd.decode.alive()
 
 
