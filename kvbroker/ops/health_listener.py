@@ -13,8 +13,9 @@ A thread answers even when the loop is wedged, which would blind the liveness pr
 beats (`beat`, every health_beat_s from server.py), and Check answers NOT_SERVING while the last beat
 is older than `stall_s` (health_stall_s, 20 s by default: longer than any flood's delay measured,
 3 s, shorter than the manifests' liveness window, 30 s), whatever the status set. Its threads and
-the calls it holds at once are settings too (health_threads, health_max_calls); the defaults below
-are the Settings' own, for a listener built without them.
+the calls it holds at once are settings too (health_threads, health_max_calls: Check is a dict lookup
+under a lock, so two threads answer a probe while the other is slow to send; calls past the bound are
+refused RESOURCE_EXHAUSTED, not queued behind a flood of probes).
 
 `HealthListener`: bind (host:port, port 0 resolved; a Unix socket is bound by server.bind_unix on
 `.server`), start, serving / draining (thread-safe: grpc_health's synchronous HealthServicer takes
@@ -30,9 +31,6 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-STALL_S = 20.0  # a loop that has not beaten for this long is reported NOT_SERVING
-THREADS = 2  # Check is a dict lookup under a lock: two threads answer a probe while the other is slow to send
-MAX_CALLS = 64  # calls held at once; more are refused RESOURCE_EXHAUSTED, not queued behind a flood of probes
 OPTIONS: list[tuple[str, object]] = [("grpc.max_receive_message_length", 4096),  # a HealthCheckRequest is a name
                                      ("grpc.so_reuseport", 0)]
 
@@ -58,8 +56,8 @@ class CheckOnlyHealth(health.HealthServicer):
 
 
 class HealthListener:
-    def __init__(self, services: tuple[str, ...], stall_s: float = STALL_S, threads: int = THREADS,
-                 max_calls: int = MAX_CALLS, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, services: tuple[str, ...], *, stall_s: float, threads: int, max_calls: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._services = ("", *services)
         self._clock, self._stall_s = clock, stall_s
         self._beaten = clock()

@@ -26,7 +26,7 @@ class Clock:
 @pytest.fixture
 def listener():
     clock = Clock()
-    served = HealthListener((SERVICE,), stall_s=20.0, clock=clock)
+    served = HealthListener((SERVICE,), stall_s=20.0, threads=2, max_calls=64, clock=clock)
     address = served.bind("127.0.0.1:0")
     served.start()
     channel = grpc.insecure_channel(address)
