@@ -142,7 +142,9 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
     """Start a broker bound to `host` on free ports; extra `args` are serve flags (later flags win).
 
     `prefix` runs the broker under another command (e.g. a network-namespace wrapper); with `gate`,
-    that wrapper reads one line from stdin before starting the broker, and `gate(pid)` runs first.
+    that wrapper writes one line to stdout once it is set up (in its namespace, say), then reads one
+    line from stdin before starting the broker: `gate(pid)` runs between the two. Without the first
+    line, a gate could act on the wrapper before it has become what the gate expects.
     """
     # faulthandler: a broker killed by a fatal signal leaves its Python stacks in its stderr tail.
     command = [*prefix, sys.executable, "-X", "faulthandler", "-m", "kvbroker", "serve", "--broker-id", broker_id,
@@ -158,6 +160,11 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
     )
     if gate is not None:
         try:
+            if not await asyncio.wait_for(process.stdout.readline(), timeout):
+                said = await asyncio.wait_for(process.stderr.read(), 5)
+                raise ChildDied(exit_report(f"broker {broker_id} wrapper (pid {process.pid})",
+                                            await asyncio.wait_for(process.wait(), 5),
+                                            said.decode(errors="replace").splitlines(), "before its gate"))
             await gate(process.pid)
         except BaseException:
             process.kill()

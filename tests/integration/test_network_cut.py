@@ -24,8 +24,10 @@ from tests.integration.flows import transfer_call as transfer
 pytestmark = pytest.mark.integration
 
 # A new network namespace, and a mount namespace to remount /sys in: UCX finds devices through sysfs.
+# `echo` says the namespace exists (unshare has run, then exec'd sh): a gate acting on the pid before
+# that moved the veth end into the parent's namespace, then looked for it in the new, empty one.
 NETNS_WRAPPER = ["unshare", "-n", "-m", "sh", "-c",
-                 'read go && mount -t sysfs none /sys && ip link set lo up && exec "$@"', "sh"]
+                 'echo unshared && read go && mount -t sysfs none /sys && ip link set lo up && exec "$@"', "sh"]
 TRANSFER_TIMEOUT_S = 6
 
 
