@@ -1,5 +1,6 @@
 """What every transfer engine must survive: a request cut into thousands of runs, a write it refuses,
-and (Mooncake) a peer that stops answering mid-batch.
+(NIXL) small writes released in the call that posts them, and (Mooncake) a peer that stops answering
+mid-batch.
 
 The first test goes through two real brokers; the others drive the backend interface directly,
 because no broker would hand an engine a descriptor outside the peer's registered memory, and
@@ -103,6 +104,67 @@ async def test_engine_refusal_is_transfer_failed_and_the_next_write_still_works(
     assert seen["refusal"].startswith("TransferFailed: ") and ENGINE_WORD[backend] in seen["refusal"]
     assert seen["moved"], "a good write after the refusal did not move every byte"
     assert seen["outside_untouched"], "a write landed outside the receiver's registered memory"
+
+
+BUFFERS = ((0, 4096), (64 * 4096, 4096), (128 * 4096, 2048))  # a layer buffer's start and page bytes
+PAGES = 20
+
+
+def page_rows(base: int, page: int) -> np.ndarray:
+    """One page of each of BUFFERS in memory at `base`: three descriptors."""
+    return np.vstack([descriptor_rows(base, [start + page * n], n) for start, n in BUFFERS])
+
+
+async def small_writes(backend: str) -> dict:
+    """One-page writes (three descriptors of 4, 4 and 2 KiB, as the bench's control plane moves) to a
+    connected peer: for each, the calls it made to the NIXL thread and whether it still held the peer
+    after it returned; then whether the disconnect let the backend forget the peer."""
+    settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
+    sender = create_backend(settings, f"sender-{os.getpid()}")
+    receiver = create_backend(settings, f"receiver-{os.getpid()}")
+    size = 1 << 20
+    src = np.random.default_rng(22).integers(0, 256, size, dtype=np.uint8)
+    dst = np.zeros(size, dtype=np.uint8)
+    seen = {"hops": [], "held_after": [], "writing_after": []}
+    submit = sender._executor.submit
+
+    def counted_submit(*args, **kwargs):
+        seen["hops"][-1] += 1
+        return submit(*args, **kwargs)
+
+    try:
+        async with asyncio.timeout(60):
+            await asyncio.gather(sender.start(), receiver.start())
+            await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
+            await receiver.register([Region(dst.ctypes.data, size, 0, gpu=False)])
+            peer = await sender.connect(await receiver.metadata())
+            sender._executor.submit = counted_submit
+            for page in range(PAGES):
+                seen["hops"].append(0)
+                part = Descriptors(page_rows(src.ctypes.data, page), page_rows(dst.ctypes.data, page))
+                await sender.write(peer, part, timeout=30)
+                seen["held_after"].append(sender._peers.busy(peer))
+                seen["writing_after"].append(sender.writing(peer))
+            sender._executor.submit = submit
+            seen["moved"] = all(np.array_equal(dst[start:start + PAGES * n], src[start:start + PAGES * n])
+                                for start, n in BUFFERS)
+            await sender.disconnect(peer)
+            seen["forgotten"] = await sender._call(lambda: peer not in sender._peers)
+    finally:
+        async with asyncio.timeout(60):
+            await asyncio.gather(sender.close(), receiver.close())
+    return seen
+
+
+async def test_nixl_small_write_takes_one_hop_and_releases_its_peer():
+    """A one-page part ends while the NIXL thread posts it (over shared memory it is DONE at once):
+    it is released there, in the same call, and leaves the peer as idle as before it."""
+    seen = await run_engines_in_child("tests.integration.test_backends", "small_writes", "nixl", 120)
+    assert seen["moved"], "a small write did not move every byte"
+    assert not any(seen["held_after"]), f"a write returned still holding its peer: {seen}"
+    assert not any(seen["writing_after"]), seen
+    assert seen["forgotten"], "the peer stayed loaded after its last disconnect: a write was never released"
+    assert 1 in seen["hops"], f"no small write ended in one call to the NIXL thread: {seen['hops']}"
 
 
 # A receiver that registers its memory, says where it is, and then does nothing: the test stops it.
