@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 # After transfer() answers PROC, how long the NIXL thread keeps checking the state before it hands
 # the write back to the event loop to poll: each poll and the release are one more hop, a wake-up of
 # a loaded process. Over UCX shm a one-page part (10 KiB) is DONE when transfer() returns; over tcp on
-# loopback, with the machine loaded, 54-67% of them end within 150 us of it, 59-70% within 200, and
-# only 3-5% more by 300 (the rest take milliseconds, for which the spin would only burn the thread).
+# loopback 96-98% of them end within 200 us of it at load 1 (59-70% at load 7-9 on 2 cores), and
+# waiting to 300 us adds 1% (3-5% loaded): the rest take milliseconds, for which the spin would only
+# burn the thread (benchmarks/nixl_write_hops.py).
 # check_xfer_state releases the GIL, so the spin does not hold up the event loop; it is far below the
 # transfer timeouts brokers run with (seconds), and the event loop's deadline is checked after it.
 POST_SPIN_S = 200e-6
