@@ -149,6 +149,13 @@ class Posted:
     state: str
     failure: Exception | None = None
 
+    def raise_failure(self) -> None:
+        """For a transfer released on the NIXL thread: raise what it ended with, as a poll would."""
+        if self.failure is not None:
+            raise _failed("NIXL failed the transfer while it ran", self.failure) from self.failure
+        if self.state != "DONE":
+            raise _ended(self.state)
+
 
 class NixlBackend(Backend):
     name = "nixl"
@@ -298,7 +305,13 @@ class NixlBackend(Backend):
                 self._remotes.note_failure(peer, exc)
                 self._finish(peer, handle, counted)
                 raise
-            return self._settle_posted(peer, handle, counted, state)
+            state, failure = settle_at_post(self._agent, handle, state)
+            if state == "PROC" and failure is None:
+                return Posted(handle, counted, state)  # the event loop polls it, and releases it
+            if failure is not None or state != "DONE":
+                self._remotes.note_failure(peer, failure if failure is not None else _ended(state))
+            self._finish(peer, handle, counted)
+            return Posted(None, None, state, failure)
 
         posting = loop.run_in_executor(self._executor, post)
         try:
@@ -310,10 +323,7 @@ class NixlBackend(Backend):
         except Exception as exc:  # nixl raises its own error types for refused descriptors
             raise _failed("NIXL refused the transfer", exc) from exc
         if posted.handle is None:  # ended and released on the NIXL thread
-            if posted.failure is not None:
-                raise _failed("NIXL failed the transfer while it ran", posted.failure) from posted.failure
-            if posted.state != "DONE":
-                raise _ended(posted.state)
+            posted.raise_failure()
             return
         handle, counted, state = posted.handle, posted.counted, posted.state
         try:
@@ -331,24 +341,6 @@ class NixlBackend(Backend):
                 raise failed
         finally:
             await asyncio.shield(self._call(self._finish, peer, handle, counted))
-
-    def _settle_posted(self, peer: object, handle, counted: PeerRef | None, state: str) -> Posted:
-        """On the NIXL thread, just after transfer(): a transfer that ends within POST_SPIN_S is released
-        here, as the event loop would release it (a failure noted first); one still running is left
-        to the event loop's poll."""
-        until = time.perf_counter() + POST_SPIN_S
-        failure = None
-        try:
-            while state == "PROC" and time.perf_counter() < until:
-                state = self._agent.check_xfer_state(handle)
-        except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
-            failure = exc
-        if state == "PROC" and failure is None:
-            return Posted(handle, counted, state)
-        if failure is not None or state != "DONE":
-            self._remotes.note_failure(peer, failure if failure is not None else _ended(state))
-        self._finish(peer, handle, counted)
-        return Posted(None, None, state, failure)
 
     async def _poll(self, peer: object, handle, state: str, deadline: float) -> str:
         """The transfer's state once it left PROC, or PROC at `deadline`."""
@@ -407,6 +399,18 @@ def new_agent(nixl_agent, nixl_agent_config, name: str):
             return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         finally:
             bindings.nixlAgent = native
+
+
+def settle_at_post(agent, handle, state: str) -> tuple[str, Exception | None]:
+    """On the NIXL thread, just after transfer() answered `state`: the state once it left PROC or
+    POST_SPIN_S passed, and what check_xfer_state raised if it did."""
+    until = time.perf_counter() + POST_SPIN_S
+    try:
+        while state == "PROC" and time.perf_counter() < until:
+            state = agent.check_xfer_state(handle)
+    except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
+        return state, exc
+    return state, None
 
 
 def _ended(state: str) -> TransferFailed:
