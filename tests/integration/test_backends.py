@@ -1,6 +1,6 @@
 """What every transfer engine must survive: a request cut into thousands of runs, a write it refuses,
-(NIXL) small writes released in the call that posts them, and (Mooncake) a peer that stops answering
-mid-batch.
+(NIXL) small writes released in the call that posts them, cancelled or not, and (Mooncake) a peer
+that stops answering mid-batch.
 
 The first test goes through two real brokers; the others drive the backend interface directly,
 because no broker would hand an engine a descriptor outside the peer's registered memory, and
@@ -10,6 +10,7 @@ stopping a receiver is easier than stopping a broker at the right moment.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -115,44 +116,52 @@ def page_rows(base: int, page: int) -> np.ndarray:
     return np.vstack([descriptor_rows(base, [start + page * n], n) for start, n in BUFFERS])
 
 
-async def small_writes(backend: str) -> dict:
-    """One-page writes (three descriptors of 4, 4 and 2 KiB, as the bench's control plane moves) to a
-    connected peer: for each, the calls it made to the NIXL thread and whether it still held the peer
-    after it returned; then whether the disconnect let the backend forget the peer."""
+@contextlib.asynccontextmanager
+async def sender_and_peer(backend: str):
+    """A sender and a receiver backend in this process, each with 1 MiB registered, the sender
+    connected to the receiver: (sender, peer, source bytes, destination bytes)."""
     settings = Settings(backend=backend, listen="127.0.0.1:0", peer_listen="127.0.0.1:0")
     sender = create_backend(settings, f"sender-{os.getpid()}")
     receiver = create_backend(settings, f"receiver-{os.getpid()}")
     size = 1 << 20
     src = np.random.default_rng(22).integers(0, 256, size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)
-    seen = {"hops": [], "held_after": [], "writing_after": []}
-    submit = sender._executor.submit
-
-    def counted_submit(*args, **kwargs):
-        seen["hops"][-1] += 1
-        return submit(*args, **kwargs)
-
     try:
         async with asyncio.timeout(60):
             await asyncio.gather(sender.start(), receiver.start())
             await sender.register([Region(src.ctypes.data, size, 0, gpu=False)])
             await receiver.register([Region(dst.ctypes.data, size, 0, gpu=False)])
             peer = await sender.connect(await receiver.metadata())
-            sender._executor.submit = counted_submit
-            for page in range(PAGES):
-                seen["hops"].append(0)
-                part = Descriptors(page_rows(src.ctypes.data, page), page_rows(dst.ctypes.data, page))
-                await sender.write(peer, part, timeout=30)
-                seen["held_after"].append(sender._peers.busy(peer))
-                seen["writing_after"].append(sender.writing(peer))
-            sender._executor.submit = submit
-            seen["moved"] = all(np.array_equal(dst[start:start + PAGES * n], src[start:start + PAGES * n])
-                                for start, n in BUFFERS)
-            await sender.disconnect(peer)
-            seen["forgotten"] = await sender._call(lambda: peer not in sender._peers)
+            yield sender, peer, src, dst
     finally:
         async with asyncio.timeout(60):
             await asyncio.gather(sender.close(), receiver.close())
+
+
+async def small_writes(backend: str) -> dict:
+    """One-page writes (three descriptors of 4, 4 and 2 KiB, as the bench's control plane moves) to a
+    connected peer: for each, the calls it made to the NIXL thread and whether it still held the peer
+    after it returned; then whether the disconnect let the backend forget the peer."""
+    seen = {"hops": [], "held_after": [], "writing_after": []}
+    async with sender_and_peer(backend) as (sender, peer, src, dst):
+        submit = sender._executor.submit
+
+        def counted_submit(*args, **kwargs):
+            seen["hops"][-1] += 1
+            return submit(*args, **kwargs)
+
+        sender._executor.submit = counted_submit
+        for page in range(PAGES):
+            seen["hops"].append(0)
+            part = Descriptors(page_rows(src.ctypes.data, page), page_rows(dst.ctypes.data, page))
+            await sender.write(peer, part, timeout=30)
+            seen["held_after"].append(sender._peers.busy(peer))
+            seen["writing_after"].append(sender.writing(peer))
+        sender._executor.submit = submit
+        seen["moved"] = all(np.array_equal(dst[start:start + PAGES * n], src[start:start + PAGES * n])
+                            for start, n in BUFFERS)
+        await sender.disconnect(peer)
+        seen["forgotten"] = await sender._call(lambda: peer not in sender._peers)
     return seen
 
 
@@ -165,6 +174,32 @@ async def test_nixl_small_write_takes_one_hop_and_releases_its_peer():
     assert not any(seen["writing_after"]), seen
     assert seen["forgotten"], "the peer stayed loaded after its last disconnect: a write was never released"
     assert 1 in seen["hops"], f"no small write ended in one call to the NIXL thread: {seen['hops']}"
+
+
+async def cancelled_small_write(backend: str) -> dict:
+    """A one-page write cancelled while the NIXL thread posts it; what the loop reported and whether
+    the peer was still held once the thread and the write's callbacks were done."""
+    errors: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: errors.append(context["message"]))
+    async with sender_and_peer(backend) as (sender, peer, src, dst):
+        write = asyncio.ensure_future(sender.write(
+            peer, Descriptors(page_rows(src.ctypes.data, 0), page_rows(dst.ctypes.data, 0)), timeout=30))
+        await asyncio.sleep(0)  # the write is posted and waits for the NIXL thread
+        write.cancel()
+        outcome = (await asyncio.gather(write, return_exceptions=True))[0]
+        await sender._call(lambda: None)  # after the post: its done callbacks are queued before our wake-up
+        await asyncio.sleep(0)
+        held = await sender._call(lambda: sender._peers.busy(peer))
+        await sender.disconnect(peer)
+        forgotten = await sender._call(lambda: peer not in sender._peers)
+    return {"outcome": type(outcome).__name__, "held": held, "forgotten": forgotten, "errors": errors}
+
+
+async def test_nixl_small_write_cancelled_while_posted_leaves_nothing_held():
+    seen = await run_engines_in_child("tests.integration.test_backends", "cancelled_small_write", "nixl", 120)
+    assert seen["outcome"] == "CancelledError", seen
+    assert not seen["errors"], f"a callback of the cancelled write failed: {seen['errors']}"
+    assert not seen["held"] and seen["forgotten"], f"the cancelled write still holds its peer: {seen}"
 
 
 # A receiver that registers its memory, says where it is, and then does nothing: the test stops it.
