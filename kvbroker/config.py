@@ -82,6 +82,15 @@ class Settings(BaseSettings):
                                                              "(a peer's handshake answer too), bytes; 0: what 4 page "
                                                              "lists of max_pages_per_request page ids take, plus "
                                                              "64 KiB")
+    peer_notice_stream: bool = Field(True, description="send part notices to peer brokers on one long-lived "
+                                                       "NotifyStream per peer, and serve it; false: a NotifyParts "
+                                                       "call per batch, and NotifyStream answers UNIMPLEMENTED "
+                                                       "(as a broker before it did)")
+    max_peer_notice_streams: int = Field(64, gt=0, description="NotifyStream streams the peer port holds at once, "
+                                                               "each with up to one message of 1 MiB (or "
+                                                               "max_aux_bytes plus 64 KiB) in memory")
+    max_notice_streams_per_peer: int = Field(4, gt=0, description="of max_peer_notice_streams, how many one peer "
+                                                                  "host may hold")
     max_exchange_commands: int = Field(4096, gt=0, description="commands (parts, grants, watches) one Exchange "
                                                                "stream runs at once; more are refused")
     max_engines: int = Field(1024, gt=0, description="engines registered at once")
@@ -128,6 +137,11 @@ class Settings(BaseSettings):
         if self.advertise_host or host in ("", "0.0.0.0", "[::]"):
             return self.advertise_host or self.broker_id
         return host
+
+    @property
+    def notice_stream_bytes(self) -> int:
+        """The most one message of a notice stream takes: 1 MiB, or max_aux_bytes plus 64 KiB when more."""
+        return max(1 << 20, self.max_aux_bytes + SMALL_MESSAGE_BYTES)
 
     @property
     def peer_message_bytes(self) -> int:

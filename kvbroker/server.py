@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.backends import create_backend, transports
 from kvbroker.config import Settings
-from kvbroker.edge.admission import Admission, PeerReads, RequestLimits
+from kvbroker.edge.admission import NOTICE_STREAMS, Admission, PeerReads, RequestLimits, StreamQuota
 from kvbroker.edge.exchange import Exchanges
 from kvbroker.edge.peer_service import PeerServicer
 from kvbroker.edge.service import BrokerServicer
@@ -270,9 +270,11 @@ class BrokerServer:
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
         peer_limits = RequestLimits(s.peer_message_bytes, "max_peer_message_bytes", s.max_pages_per_request,
-                                    s.max_layer_buffers)
+                                    s.max_layer_buffers, s.notice_stream_bytes)
         peer_reads = PeerReads(s.max_peer_reads, s.max_reads_per_peer, s.peer_rpc_timeout_s)
-        peer_admission = Admission(peer_limits, peer_reads, trim=self._trim, counted=self.metrics.refusal("peer"))
+        peer_admission = Admission(peer_limits, peer_reads, trim=self._trim, counted=self.metrics.refusal("peer"),
+                                   streams=StreamQuota(s.max_peer_notice_streams, s.max_notice_streams_per_peer),
+                                   unserved=frozenset() if s.peer_notice_stream else frozenset(NOTICE_STREAMS))
         peer_server = self._grpc_server(PEER_SERVICE, peer_server_options(s), peer_admission)
         peer_listen = _bind(peer_server, s.peer_listen, server_credentials)  # its port goes into our offers
         peer_address = f"{s.advertised_host}:{peer_listen.rpartition(':')[2]}"
@@ -282,7 +284,7 @@ class BrokerServer:
                         "peer_tls_ca) a peer's broker_id is its own claim, and peer_allow can only trust it")
         peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, rpc_timeout_s=s.peer_rpc_timeout_s,
                             channel_options=channel_options, credentials=tls and tls.channel_credentials,
-                            metrics=self.metrics, limits=peer_limits)
+                            metrics=self.metrics, limits=peer_limits, notice_stream=s.peer_notice_stream)
         broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()
         self.broker, self._peers = broker, peers

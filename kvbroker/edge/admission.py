@@ -56,6 +56,11 @@ LAYER_BUFFER_METHODS = {"/kvbroker.v1.BrokerService/RegisterEngine"}
 # handed to the handler, to answer under its command_id, and the stream goes on.
 COMMAND_STREAMS = {"/kvbroker.v1.BrokerService/Exchange"}
 WHOLE_MESSAGE_METHODS = {"/kvbroker.v1.PeerService/NotifyParts"}  # notices with aux payloads: the port's limit
+# Long-lived peer streams (NotifyStream): a stream holds no read slot of PeerReads while it waits for
+# its next message, which may be long; instead the streams are bounded in number (StreamQuota), and
+# each message to RequestLimits.notice_bytes, so that what they can hold at once is bounded.
+NOTICE_STREAMS = {"/kvbroker.v1.PeerService/NotifyStream"}
+NOTICE_STREAM_IDLE_S = 60.0  # a notice stream without a message for this long is ended (OK); the sender reopens
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,13 @@ class RequestLimits:
     port_setting: str  # the setting that sets it
     max_pages: int  # max_pages_per_request
     max_layer_buffers: int
+    notice_bytes: int = 1 << 20  # one message of a notice stream (server.py: notice_stream_bytes)
 
     def bytes_for(self, method: str) -> tuple[int, str]:
         """The most a request of `method` may take on the wire, and what says so."""
-        if method in WHOLE_MESSAGE_METHODS:
+        if method in NOTICE_STREAMS and self.notice_bytes < self.port_bytes:
+            return self.notice_bytes, "1 MiB, or max_aux_bytes plus 64 KiB, per message of a notice stream"
+        if method in WHOLE_MESSAGE_METHODS or method in NOTICE_STREAMS:
             return self.port_bytes, self.port_setting
         if method in LAYER_BUFFER_METHODS:
             most, why = self.max_layer_buffers * LAYER_BUFFER_BYTES, f"max_layer_buffers={self.max_layer_buffers}"
@@ -205,17 +213,50 @@ class PeerReads:
                 del self._hosts[host]
 
 
+class StreamQuota:
+    """The notice streams the peer port holds at once: at most `total`, at most `per_host` of one peer
+    host. One more is refused as it opens, before any of its messages is read."""
+
+    def __init__(self, total: int, per_host: int) -> None:
+        self.total = total
+        self.per_host = per_host
+        self._hosts: dict[str, int] = {}
+        self._open = 0
+
+    def enter(self, host: str) -> str | None:
+        """Count one more stream of `host`; or why not, naming the setting."""
+        if self._open >= self.total:
+            return f"{self._open} notice streams are open, the most this broker holds (max_peer_notice_streams)"
+        if self._hosts.get(host, 0) >= self.per_host:
+            return (f"{host} holds {self.per_host} notice streams, the most one peer host may "
+                    "(max_notice_streams_per_peer)")
+        self._open += 1
+        self._hosts[host] = self._hosts.get(host, 0) + 1
+        return None
+
+    def leave(self, host: str) -> None:
+        self._open -= 1
+        self._hosts[host] -= 1
+        if not self._hosts[host]:
+            del self._hosts[host]
+
+
 class Admission(grpc.aio.ServerInterceptor):
     def __init__(self, limits: RequestLimits, reads: PeerReads | None = None,
                  throttle: LogThrottle | None = None, trim: MemoryTrim | None = None,
-                 counted: Callable[[str], None] | None = None) -> None:
+                 counted: Callable[[str], None] | None = None, streams: StreamQuota | None = None,
+                 unserved: frozenset[str] = frozenset()) -> None:
         self.limits = limits
+        self._unserved = unserved  # methods answered as grpc answers a method it does not know (UNIMPLEMENTED)
         self.reads = reads
+        self.streams = streams or StreamQuota(1 << 30, 1 << 30)
         self._throttle = throttle or LogThrottle(log)
         self._trim = trim
         self._counted = counted  # told each refusal's reason (Metrics.refusal: kvbroker_refused_requests_total)
 
     async def intercept_service(self, continuation, handler_call_details):
+        if handler_call_details.method in self._unserved:
+            return None
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
@@ -232,6 +273,9 @@ class Admission(grpc.aio.ServerInterceptor):
                 return grpc.unary_stream_rpc_method_handler(self._unary(method, handler.unary_stream, streams=True),
                                                             parse, serialize)
             return grpc.stream_stream_rpc_method_handler(self._held_unary(method, handler.unary_stream, streams=True),
+                                                         parse, serialize)
+        if handler.stream_stream is not None and method in NOTICE_STREAMS:
+            return grpc.stream_stream_rpc_method_handler(self._notice_stream(method, handler.stream_stream),
                                                          parse, serialize)
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(self._streaming(method, handler.stream_stream, streams=True),
@@ -336,6 +380,41 @@ class Admission(grpc.aio.ServerInterceptor):
                 await _respond(result, context)
                 return None
             return await result
+
+        return call
+
+    def _notice_stream(self, method: str, inner):
+        """A notice stream: counted against StreamQuota while it is open, and told so by its initial
+        metadata; each message read as it
+        comes, without a read slot, and ended (OK) after NOTICE_STREAM_IDLE_S without one; a refused
+        message ends the stream with its refusal."""
+        async def call(request_iterator, context):
+            host = peer_host(context.peer())
+            if (why := self.streams.enter(host)) is not None:
+                refusal = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"NotifyStream: {why}", "notice_streams")
+                await self._refuse(refusal, method, context)
+            try:
+                # Admitted: the sender waits for this before its first message, so that a refusal never
+                # races its write (grpc may then report INTERNAL instead of the refusal's status).
+                await context.send_initial_metadata(())
+                async def requests():
+                    while True:
+                        try:
+                            async with asyncio.timeout(NOTICE_STREAM_IDLE_S):
+                                request = await context.read()
+                        except TimeoutError:
+                            return
+                        if request is grpc.aio.EOF:
+                            return
+                        if isinstance(request, Refusal):
+                            await self._refuse(request, method, context)
+                        yield request
+
+                await _respond(inner(requests(), context), context)
+            except grpc.aio.AbortError as exc:
+                raise _bare(exc) from None
+            finally:
+                self.streams.leave(host)
 
         return call
 

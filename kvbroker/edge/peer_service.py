@@ -11,14 +11,16 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 - Handshake: an engine's layout and the transfer engine's metadata;
 - ClaimGrant, CompleteTransfer: the claimed flow;
 - OfferGrant, RevokeOffer: a receiver offers a grant to this broker, or revokes it;
-- NotifyParts: a sender reports parts of grants this broker offered.
+- NotifyParts: a sender reports parts of grants this broker offered; NotifyStream, the same as
+  messages on one long-lived stream, each answered in order with its seq, a refused one with its
+  code in its answer while the stream goes on (admission.py bounds the streams and their messages).
 """
 
 from __future__ import annotations
 
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
-from kvbroker.edge.codes import translate_errors
+from kvbroker.edge.codes import failure, translate_errors
 from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine
@@ -99,6 +101,19 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     @translate_errors
     async def NotifyParts(self, request: ppb.NotifyPartsRequest, context) -> ppb.NotifyPartsResponse:
+        return ppb.NotifyPartsResponse(acks=self._take_notices(request, context))
+
+    async def NotifyStream(self, requests, context):
+        async for request in requests:
+            try:
+                acks = self._take_notices(request.notices, context)
+            except Exception as exc:  # the status a NotifyParts call would have ended with
+                code, reason = failure(exc, "NotifyStream")
+                yield ppb.NotifyStreamResponse(seq=request.seq, code=code.value[0], reason=reason)
+                continue
+            yield ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=acks))
+
+    def _take_notices(self, request: ppb.NotifyPartsRequest, context) -> list[ppb.PartAck]:
         identity = self._caller(request, context)
         if len(request.notices) > MAX_BATCH:
             raise BrokerError(Code.RESOURCE_EXHAUSTED,
@@ -108,5 +123,4 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
             if len(notice.landed) > 16:
                 raise invalid(f"notices[{i}].landed: {len(notice.landed)} entries; a part writes each component once")
             notices.append(convert.part_notice_in(notice, f"notices[{i}]"))
-        acks = self._broker.take_notices(identity, notices)
-        return ppb.NotifyPartsResponse(acks=[convert.part_ack_out(a) for a in acks])
+        return [convert.part_ack_out(a) for a in self._broker.take_notices(identity, notices)]

@@ -24,9 +24,11 @@ from kvbroker.flows.transfers import TransferRecord
 # Why Admission refuses a request, per port (edge/admission.py): too_large by its size before it is
 # parsed, malformed when it does not parse, too_many_entries by a list over its bound; on the peer
 # port also no_read_slot when its reads stayed taken for peer_rpc_timeout_s, and no_message for a call
-# that carried none (grpc refused its message over max_peer_message_bytes, or the caller sent none).
+# that carried none (grpc refused its message over max_peer_message_bytes, or the caller sent none),
+# and notice_streams for a NotifyStream beyond max_peer_notice_streams or max_notice_streams_per_peer.
 REFUSAL_REASONS = {"local": ("too_large", "malformed", "too_many_entries"),
-                   "peer": ("too_large", "malformed", "too_many_entries", "no_read_slot", "no_message")}
+                   "peer": ("too_large", "malformed", "too_many_entries", "no_read_slot", "no_message",
+                            "notice_streams")}
 
 # From one small page on loopback (well under a millisecond) to the default transfer timeout.
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -76,8 +78,12 @@ class Metrics:
                                      "Peer restarts noticed: a known peer answered a handshake with a new epoch",
                                      registry=r)
         self.notify_calls = Counter("kvbroker_peer_notify_calls",
-                                    "NotifyParts calls made to peer brokers (each carries one or more part notices)",
+                                    "Batches of part notices sent to peer brokers (NotifyParts calls or NotifyStream "
+                                    "messages; each carries one or more part notices)",
                                     registry=r)
+        self.notify_streamed = Counter("kvbroker_peer_notify_streamed",
+                                       "Of kvbroker_peer_notify_calls, the batches sent as messages of the peer's "
+                                       "NotifyStream rather than as NotifyParts calls", registry=r)
         self.part_notices = Counter("kvbroker_peer_part_notices",
                                     "Part notices sent to peer brokers; over notify_calls: notices per call",
                                     registry=r)
@@ -140,10 +146,13 @@ class Metrics:
         if epoch_changed:
             self.epoch_changes.inc()
 
-    def peer_notify(self, notices: int) -> None:
-        """One NotifyParts call to a peer, carrying `notices` part notices (batched under load)."""
+    def peer_notify(self, notices: int, *, streamed: bool = False) -> None:
+        """One batch of `notices` part notices to a peer (batched under load): a NotifyParts call, or
+        with `streamed` a message of its NotifyStream."""
         self.notify_calls.inc()
         self.part_notices.inc(notices)
+        if streamed:
+            self.notify_streamed.inc()
 
     def refusal(self, port: str) -> Callable[[str], None]:
         """What Admission calls on `port` ("local" or "peer") for each request it refuses, with the

@@ -14,7 +14,8 @@ from the process the peer has since replaced: it is given back and the handshake
 
 The offered flow's calls: `offer` (OfferGrant) and `revoke` (RevokeOffer) for the receiving
 side, `notify` for the sending side, whose notices go through a Notifier (notifier.py) that
-batches them per peer.
+batches them per peer, each batch a message of the peer's NotifyStream (notice_stream.py), or a
+NotifyParts call where the peer does not serve it.
 
 An address left unused is forgotten by the idle policy, IdlePeers (peer_idle.py). The receiving
 side is peer_service.py.
@@ -27,11 +28,9 @@ import itertools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import numpy as np
-from google.protobuf.message import Message
 
 from kvbroker.backends.base import Backend, TransferFailed
 from kvbroker.core.errors import BrokerError, Code
@@ -43,7 +42,8 @@ from kvbroker.ops.metrics import Metrics
 from kvbroker.peers import wire
 from kvbroker.peers.channels import PeerChannels
 from kvbroker.peers.idle import IdlePeers
-from kvbroker.peers.link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession
+from kvbroker.peers.link import ClaimResult, GrantOffer, PartAck, PartNotice, PeerSession, ReplyBounds
+from kvbroker.peers.notice_stream import NoticeStreams
 from kvbroker.peers.notifier import Notifier
 from kvbroker.peers.vouch import TLS_FAILURE, Vouch, closed_under
 from kvbroker.peers.wire import from_rpc_error
@@ -52,19 +52,6 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
 
 CLOSE_WAIT_S = 10.0  # how long close waits for channels to close and the backend to take peers back
-
-
-class ReplyBounds(Protocol):
-    """The bounds a peer's answer is held to before anything is built from it (edge/admission.py's
-    RequestLimits, handed in by server.py: the peer port's message limit and its list bounds)."""
-
-    port_bytes: int
-
-    def check_lists(self, request: Message) -> Refused | None: ...
-
-
-class Refused(Protocol):
-    message: str
 
 
 @dataclass
@@ -83,11 +70,11 @@ class PeerClients:
                  channel_options: Sequence[tuple[str, object]] = (),
                  credentials: Callable[[], tuple[int, grpc.ChannelCredentials]] | None = None,
                  metrics: Metrics | None = None,
-                 limits: ReplyBounds | None = None) -> None:
+                 limits: ReplyBounds | None = None, notice_stream: bool = True) -> None:
         self._metrics = metrics
         self._closing = OwnedTasks()  # disconnects and channel closes under way
-        # half the peer port's message limit for a call's notices: the rest is slack for the framing
-        batch_bytes = (limits.port_bytes // 2) if limits is not None else 1 << 62
+        # half of what a peer takes in one message of notices: the rest is slack for the framing
+        batch_bytes = (min(limits.port_bytes, limits.notice_bytes) // 2) if limits is not None else 1 << 62
         self.notifier = Notifier(self._send_notices, timeout_s=rpc_timeout_s, max_batch_bytes=batch_bytes)
         self._limits = limits  # a peer's answer is held to our bounds before anything is built from it
         self._broker_id = broker_id
@@ -100,6 +87,8 @@ class PeerClients:
         self._parked: dict[str, list[object]] = {}  # peer handles of handshakes a transport failure dropped
         self._sent = itertools.count(1)  # handshakes, in the order they are sent
         self._idle = IdlePeers(idle_s, busy=self._writing_through, forget=self._forget_idle)
+        self._notices = NoticeStreams(self._channels.stub, self.forget, self._rpc, enabled=notice_stream,
+                                      idle=self._idle, limits=limits, metrics=metrics)
         self.records: dict[str, PeerRecord] = {}
 
     def _disconnect(self, handles) -> None:
@@ -120,6 +109,7 @@ class PeerClients:
     def forget(self, address: str) -> None:
         """Drop what is cached of a peer; the next call reconnects (calls under way end by their deadlines)."""
         self._parked.setdefault(address, []).extend(self._pop_sessions(address))
+        self._notices.forget(address)
         self._channels.close(address, grace=self._channels.grace_s + 1.0)
 
     def _writing_through(self, address: str) -> bool:
@@ -130,6 +120,7 @@ class PeerClients:
     def _forget_idle(self, address: str, idle: float) -> None:
         handles = self._pop_sessions(address) + self._parked.pop(address, [])
         self._disconnect(handles)
+        self._notices.forget(address)
         self._channels.close(address, forget=True)
         record = self.records.pop(address, None)
         log.info("peer idle, forgotten", extra={"peer_address": address, "peer_broker_id": record and record.broker_id,
@@ -278,13 +269,11 @@ class PeerClients:
     async def _send_notices(self, address: str, notices: Sequence[PartNotice], timeout: float) -> list[PartAck]:
         request = ppb.NotifyPartsRequest(broker_id=self._broker_id, epoch=self._epoch,
                                          notices=[wire.part_notice_out(n) for n in notices])
-        if self._metrics is not None:
-            self._metrics.peer_notify(len(notices))
-        reply = await self._rpc(address, "NotifyParts", request, timeout)
-        return [wire.part_ack_in(a, address) for a in reply.acks]
+        return [wire.part_ack_in(a, address) for a in await self._notices.send(address, request, timeout)]
 
     async def close(self) -> None:
         await self.notifier.close()
+        await self._notices.close()
         await self._idle.close(CLOSE_WAIT_S)
         self._channels.close_all()
         handles = [s.peer_handle for s in self._sessions.values()] + [h for p in self._parked.values() for h in p]

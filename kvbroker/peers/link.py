@@ -1,7 +1,8 @@
 """What a Broker needs of its peers, as a protocol, and what it gets back: `PeerLink` (implemented
 by PeerClients, peers/clients.py), `PeerSession` (a handshake's result) and `ClaimResult`; and the
 messages of the offered flow as the domain sees them: `GrantOffer` (a receiver offers a grant),
-`PartNotice` (a sender says a part landed or failed) and `PartAck` (the receiver's answer). Here
+`PartNotice` (a sender says a part landed or failed) and `PartAck` (the receiver's answer); and
+`ReplyBounds`, what a peer's answers are held to. Here
 so that the sender, the receiver and the peer clients import them without importing each other.
 """
 
@@ -12,10 +13,25 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+from google.protobuf.message import Message
 
 from kvbroker.core.model import Component, EngineLayout, TransferState
 from kvbroker.core.parts import Landed
 from kvbroker.flows.transfers import Grant, TransferStatus
+
+
+class ReplyBounds(Protocol):
+    """The bounds a peer's answer is held to before anything is built from it (edge/admission.py's
+    RequestLimits, handed in by server.py: the peer port's message limit and its list bounds)."""
+
+    port_bytes: int
+    notice_bytes: int
+
+    def check_lists(self, request: Message) -> Refused | None: ...
+
+
+class Refused(Protocol):
+    message: str
 
 
 @dataclass(frozen=True)

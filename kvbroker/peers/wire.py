@@ -188,17 +188,21 @@ def part_ack_in(ack: ppb.PartAck, address: str) -> PartAck:
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, prefix: str) -> BrokerError:
-    """A peer's status becomes ours, with the peer named. A status outside our table (UNKNOWN,
-    DATA_LOSS, OUT_OF_RANGE: the transport or a broken peer) and the peer's own INTERNAL (its bug,
-    not ours) become UNAVAILABLE; UNAUTHENTICATED becomes PERMISSION_DENIED (DESIGN.md's peer that
-    failed authentication)."""
-    code = exc.code()
-    if code is grpc.StatusCode.UNAUTHENTICATED:
-        return BrokerError(Code.PERMISSION_DENIED, f"{prefix}: {exc.details() or code.name}")
+    """A peer's status becomes ours, with the peer named (from_status)."""
+    return from_status(exc.code().value[0], exc.details() or exc.code().name, prefix)
+
+
+def from_status(number: int, details: str, prefix: str) -> BrokerError:
+    """A peer's status code number and message become ours, with the peer named. A status outside
+    our table (UNKNOWN, DATA_LOSS, OUT_OF_RANGE: the transport or a broken peer) and the peer's own
+    INTERNAL (its bug, not ours) become UNAVAILABLE; UNAUTHENTICATED becomes PERMISSION_DENIED
+    (DESIGN.md's peer that failed authentication)."""
+    if number == grpc.StatusCode.UNAUTHENTICATED.value[0]:
+        return BrokerError(Code.PERMISSION_DENIED, f"{prefix}: {details}")
     try:
-        domain = Code(code.value[0])
+        domain = Code(number)
     except ValueError:
         domain = Code.UNAVAILABLE
     if domain is Code.INTERNAL:
         domain = Code.UNAVAILABLE
-    return BrokerError(domain, f"{prefix}: {exc.details() or code.name}")
+    return BrokerError(domain, f"{prefix}: {details}")

@@ -117,6 +117,7 @@ async def test_metrics_count_each_part_notice_and_the_notify_call_that_carried_i
     after = await scrape(observed.prefill)
     assert delta(before, after, "kvbroker_peer_part_notices_total") == 2  # one per part, sent in turn
     assert delta(before, after, "kvbroker_peer_notify_calls_total") == 2
+    assert delta(before, after, "kvbroker_peer_notify_streamed_total") == 2  # as messages of one NotifyStream
 
 
 async def test_metrics_count_a_refused_transfer_by_its_code_on_both_sides(observed, engines, request_id):

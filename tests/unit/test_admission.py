@@ -14,11 +14,13 @@ from kvbroker.edge.admission import (
     LAYER_BUFFER_BYTES,
     LAYER_BUFFER_METHODS,
     MAX_LIST_ENTRIES,
+    NOTICE_STREAMS,
     PAGE_LISTS,
     WHOLE_MESSAGE_METHODS,
     PeerReads,
     RequestLimits,
     SlotTimeout,
+    StreamQuota,
     leading_id,
     peer_host,
 )
@@ -54,7 +56,8 @@ def test_every_method_that_carries_page_ids_layer_buffers_or_payloads_has_its_si
     """A method missing from the tables takes SMALL_MESSAGE_BYTES: one that carries more must be there."""
     for path, message in methods():
         big = _carries_big(message, set())
-        named = path in PAGE_LISTS or path in LAYER_BUFFER_METHODS or path in WHOLE_MESSAGE_METHODS
+        named = (path in PAGE_LISTS or path in LAYER_BUFFER_METHODS or path in WHOLE_MESSAGE_METHODS
+                 or path in NOTICE_STREAMS)
         assert named == bool(big), f"{path}: carries {big or 'nothing big'}"
 
 
@@ -83,6 +86,26 @@ def test_a_method_with_page_lists_takes_what_they_take_within_the_ports_limit():
     assert LIMITS.bytes_for("/kvbroker.v1.PeerService/OfferGrant") == (PEER_BYTES, "max_peer_message_bytes")
     assert LIMITS.bytes_for("/kvbroker.v1.BrokerService/Transfer") == (PEER_BYTES, "max_peer_message_bytes")
     assert LIMITS.bytes_for("/kvbroker.v1.PeerService/NotifyParts") == (PEER_BYTES, "max_peer_message_bytes")
+
+
+def test_a_notice_streams_message_takes_a_mebibyte_or_the_aux_bound_but_never_more_than_the_port():
+    assert Settings().notice_stream_bytes == 1 << 20
+    assert Settings(max_aux_bytes=4 << 20).notice_stream_bytes == (4 << 20) + SMALL_MESSAGE_BYTES
+    most, why = LIMITS.bytes_for("/kvbroker.v1.PeerService/NotifyStream")
+    assert most == 1 << 20 and "notice stream" in why
+    small_port = RequestLimits(1000, "max_peer_message_bytes", 1 << 20, 4096, notice_bytes=1 << 20)
+    assert small_port.bytes_for("/kvbroker.v1.PeerService/NotifyStream") == (1000, "max_peer_message_bytes")
+
+
+def test_notice_streams_are_bounded_in_all_and_per_host_and_given_back():
+    quota = StreamQuota(total=3, per_host=2)
+    assert quota.enter("a") is None and quota.enter("a") is None
+    assert "max_notice_streams_per_peer" in quota.enter("a")
+    assert quota.enter("b") is None
+    assert "max_peer_notice_streams" in quota.enter("c")
+    quota.leave("a")
+    assert quota.enter("c") is None
+    assert "max_peer_notice_streams" in quota.enter("a")
 
 
 def test_registration_takes_what_its_layer_buffers_may():

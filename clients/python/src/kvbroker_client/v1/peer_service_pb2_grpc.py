@@ -66,6 +66,11 @@ class PeerServiceStub:
                 request_serializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsRequest.SerializeToString,
                 response_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsResponse.FromString,
                 _registered_method=True)
+        self.NotifyStream = channel.stream_stream(
+                '/kvbroker.v1.PeerService/NotifyStream',
+                request_serializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyStreamRequest.SerializeToString,
+                response_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyStreamResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -117,6 +122,18 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NotifyStream(self, request_iterator, context):
+        """NotifyParts as messages on one long-lived stream per pair of brokers: each request is answered
+        by one response with its `seq`, in order, while the stream goes on; a request refused (its
+        caller not admitted, a notice malformed) gets its code and reason in its response. A request
+        over the stream's size bound, or a stream beyond the bounds on streams, ends the stream with
+        RESOURCE_EXHAUSTED before any handler reads it. A broker that does not serve it answers
+        UNIMPLEMENTED, and the caller uses NotifyParts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -149,6 +166,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.NotifyParts,
                     request_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsRequest.FromString,
                     response_serializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsResponse.SerializeToString,
+            ),
+            'NotifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.NotifyStream,
+                    request_deserializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyStreamRequest.FromString,
+                    response_serializer=kvbroker_dot_v1_dot_peer__service__pb2.NotifyStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +336,33 @@ class PeerService:
             '/kvbroker.v1.PeerService/NotifyParts',
             kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsRequest.SerializeToString,
             kvbroker_dot_v1_dot_peer__service__pb2.NotifyPartsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvbroker.v1.PeerService/NotifyStream',
+            kvbroker_dot_v1_dot_peer__service__pb2.NotifyStreamRequest.SerializeToString,
+            kvbroker_dot_v1_dot_peer__service__pb2.NotifyStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
