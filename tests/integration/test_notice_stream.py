@@ -49,6 +49,34 @@ async def test_notices_to_a_broker_without_the_stream_go_as_notify_parts_calls(o
     assert after["kvbroker_peer_notify_streamed_total"] == before.get("kvbroker_peer_notify_streamed_total", 0)
 
 
+async def test_notices_still_arrive_when_a_stranger_holds_the_last_notice_stream(backend, engines, request_id):
+    """The decode broker holds one notice stream; a stranger has it. The prefill broker's stream is
+    refused as it opens, before any notice is read, and its notices go as NotifyParts calls."""
+    prefill = await open_broker(f"ns-full-prefill-{backend}", backend, *METRICS)
+    decode = await open_broker(f"ns-full-decode-{backend}", backend, "--max-peer-notice-streams", "1")
+    channel = grpc.aio.insecure_channel(decode.peer_address)
+    try:
+        squatter = ppb_grpc.PeerServiceStub(channel).NotifyStream(timeout=60)
+        await squatter.write(batch(1, "mallory"))
+        assert (await squatter.read()).seq == 1  # held: the broker's only notice stream
+        src = await engines.make(prefill, "prefill", seed=6)
+        dst = await engines.make(decode, "decode", fill="canary")
+        before_bytes = dst.segment.array.copy()
+        before = await scrape(prefill.process.metrics_listen)
+        await offer(dst, src, request_id, {MAIN: [3, 4]})
+        await part(src, request_id, {MAIN: [0, 1]})
+        status = await watch_first(dst, request_id)
+        assert status.state == pb.TRANSFER_STATE_SUCCEEDED, status
+        assert_bytes(dst, expect_pages(src, dst, before_bytes, [(MAIN, [0, 1], [3, 4])]))
+        after = await scrape(prefill.process.metrics_listen)
+        assert after["kvbroker_peer_notify_calls_total"] - before.get("kvbroker_peer_notify_calls_total", 0) == 1
+        assert after["kvbroker_peer_notify_streamed_total"] == before.get("kvbroker_peer_notify_streamed_total", 0)
+        squatter.cancel()
+    finally:
+        await channel.close()
+        await close_brokers(prefill, decode)
+
+
 @pytest.fixture
 async def guarded(backend):
     """A broker admitting prefill-* only, holding at most 2 notice streams per peer host."""
