@@ -5,7 +5,8 @@ service there (kvbroker.v1, health, reflection):
 - on the peer port (`PeerReads`), before the request is read: at most max_peer_reads requests are
   received and parsed at once, at most max_reads_per_peer of them for one peer host; other calls
   wait their turn with their request unread (grpc buffers at most a connection's window of it),
-  and one that waits longer than peer_rpc_timeout_s is refused;
+  and one that waits longer than peer_rpc_timeout_s is refused; a notice stream (NotifyStream) takes
+  no read slot but one of StreamQuota's, as it opens, and each of its messages is read as it comes;
 - the request's size against what its method may carry (`RequestLimits.bytes_for`), before parsing;
 - request bytes that do not parse: INVALID_ARGUMENT (grpc itself would answer UNKNOWN and log a
   traceback each time);
@@ -385,9 +386,8 @@ class Admission(grpc.aio.ServerInterceptor):
 
     def _notice_stream(self, method: str, inner):
         """A notice stream: counted against StreamQuota while it is open, and told so by its initial
-        metadata; each message read as it
-        comes, without a read slot, and ended (OK) after NOTICE_STREAM_IDLE_S without one; a refused
-        message ends the stream with its refusal."""
+        metadata; each message read as it comes, without a read slot; ended (OK) after
+        NOTICE_STREAM_IDLE_S without one; a refused message ends the stream with its refusal."""
         async def call(request_iterator, context):
             host = peer_host(context.peer())
             if (why := self.streams.enter(host)) is not None:
