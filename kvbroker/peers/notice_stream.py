@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -35,8 +34,6 @@ from kvbroker.peers.link import ReplyBounds
 from kvbroker.peers.wire import from_rpc_error, from_status
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-
-log = logging.getLogger(__name__)
 
 IDLE_S = 10.0  # a stream without a request for this long is closed; well under the peer's idle bound
 UNREAD = (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED)
@@ -76,7 +73,6 @@ class NoticeStreams:
         self._old: set[str] = set()  # addresses whose broker answered UNIMPLEMENTED
         self._seq = itertools.count(1)
         self._tasks = OwnedTasks()
-        self.opened = 0  # streams opened, for tests
 
     async def send(self, address: str, request: ppb.NotifyPartsRequest, timeout: float) -> list[ppb.PartAck]:
         """The peer's acks to a batch of notices; its refusal or failure as a BrokerError."""
@@ -149,7 +145,6 @@ class NoticeStreams:
             self._tasks.spawn(self._close_writing(stream), f"notice stream {address} retired")
         stream = _Stream(stub.NotifyStream(wait_for_ready=False), stub, loop.time())
         self._streams[address] = stream
-        self.opened += 1
         self._tasks.spawn(self._read(address, stream), f"notice stream {address}")
         loop.call_later(self._idle_s, self._if_idle, address, stream)
         return stream
