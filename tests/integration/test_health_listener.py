@@ -98,3 +98,18 @@ async def test_the_health_listener_says_not_serving_for_the_whole_drain(engines,
         assert await asyncio.wait_for(decode.process.process.wait(), 60) == 0
     finally:
         assert await close_brokers(prefill, decode) == [0, 0]
+
+
+async def test_the_loops_beat_keeps_a_short_stall_window_serving():
+    """server.py beats the listener from the loop every health_beat_s: with a stall window of 0.5 s the
+    listener still answers SERVING long after it (without the beat it turns NOT_SERVING for good once
+    0.5 s have passed; the stalled answer itself is tests/unit/test_health_listener.py's)."""
+    broker = await open_broker("health-beat", "nixl", "--health-listen", "127.0.0.1:0",
+                               "--health-beat-s", "0.05", "--health-stall-s", "0.5")
+    try:
+        address = broker.process.health_listen
+        await asyncio.sleep(2.0)  # not a synchronisation: four stall windows must pass for the beat to matter
+        answers = [await check(address, "kvbroker.v1.BrokerService") for _ in range(5)]
+        assert "SERVING" in answers, answers  # a loop delayed past 0.5 s on a loaded machine may miss one
+    finally:
+        assert await close_brokers(broker) == [0]
