@@ -11,7 +11,8 @@ server's at shutdown. One `_Stream` per stream:
   under its command_id as the unary RPC would be refused;
 - each command writes its own replies, one write at a time (gRPC takes no more);
 - the requests an ExpectTransfer or a Transfer on it created or fed are *carried*: when the stream
-  ends (the client went, broke or half-closed, or the broker stopped), `_end` lets its expects and
+  ends (the client went, broke or half-closed, or the broker stopped: then after its commands wrote
+  their last replies, up to CLOSE_WAIT_S, the drain having ended every request), `_end` lets its expects and
   transfers finish (each has its own bound), stops its watches, and fails every carried request
   that has not ended through Broker.cancel, as CancelTransfer would (CANCELLED; the peer is told).
   Without that a request fed by a client that went would wait for its grant's expiry, as it does
@@ -83,6 +84,11 @@ class _Stream:
         try:
             await self._context.send_initial_metadata(())  # the client learns at once that the RPC is served
             await self._over.wait()
+            if self._broker.stopping.is_set():
+                # The drain ended every request before it set `stopping`: each watch still has its
+                # terminal status to write, which _end's cancel would cut off (the client then sees
+                # the stream end instead of "broker shut down").
+                await self._commands.wait(CLOSE_WAIT_S)
         finally:
             reader.cancel()
             stopping.cancel()
