@@ -44,6 +44,10 @@ CPU_FLAGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "to
              "--disable-overlap-schedule", "--grammar-backend", "none", "--host", "127.0.0.1",
              "--skip-server-warmup", "--log-level", "info", "--max-total-tokens", "16384")
 DECODE_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
+# The brokers' peer calls: SGLang servers starting beside them on 2 busy cores starved a broker past
+# the default 5 s once (a fresh clone's suite at load 20: the first request's offer got "no answer
+# within 5.000s" and decode aborted it). What these stacks serve is not the peer timeout's test.
+PEER_RPC_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0  # tens of seconds alone; several servers starting on 2 busy cores take minutes
 
 
@@ -290,7 +294,8 @@ class PDStack:
 
 async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | None = None,
                         peer_listen: str | None = None) -> BrokerProcess:
-    args = ["--backend", engine, "--log-level", os.environ.get("KVBROKER_SERVING_BROKER_LOG_LEVEL", "INFO")]
+    args = ["--backend", engine, "--log-level", os.environ.get("KVBROKER_SERVING_BROKER_LOG_LEVEL", "INFO"),
+            "--peer-rpc-timeout-s", str(PEER_RPC_TIMEOUT_S)]
     if listen:
         args += ["--listen", listen, "--peer-listen", peer_listen]
     else:
