@@ -82,10 +82,11 @@ class Settings(BaseSettings):
                                                              "(a peer's handshake answer too), bytes; 0: what 4 page "
                                                              "lists of max_pages_per_request page ids take, plus "
                                                              "64 KiB")
-    peer_notice_stream: bool = Field(True, description="send part notices to peer brokers on one long-lived "
-                                                       "NotifyStream per peer, and serve it; false: a NotifyParts "
-                                                       "call per batch, and NotifyStream answers UNIMPLEMENTED "
-                                                       "(as a broker before it did)")
+    peer_notice_stream: bool = Field(True, description="send part notices and grant offers to peer brokers on "
+                                                       "one long-lived NotifyStream per peer, and serve it; false: "
+                                                       "a NotifyParts call per batch and an OfferGrant call per "
+                                                       "offer, and NotifyStream answers UNIMPLEMENTED (as a broker "
+                                                       "before it did)")
     max_peer_notice_streams: int = Field(64, gt=0, description="NotifyStream streams the peer port holds at once, "
                                                                "each with up to one message of 1 MiB (or "
                                                                "max_aux_bytes plus 64 KiB) in memory")

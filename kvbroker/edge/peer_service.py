@@ -11,9 +11,10 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 - Handshake: an engine's layout and the transfer engine's metadata;
 - ClaimGrant, CompleteTransfer: the claimed flow;
 - OfferGrant, RevokeOffer: a receiver offers a grant to this broker, or revokes it;
-- NotifyParts: a sender reports parts of grants this broker offered; NotifyStream, the same as
-  messages on one long-lived stream, each answered in order with its seq, a refused one with its
-  code in its answer while the stream goes on (admission.py bounds the streams and their messages).
+- NotifyParts: a sender reports parts of grants this broker offered; NotifyStream, the same (and
+  OfferGrant) as messages on one long-lived stream, each answered in order with its seq, a refused
+  one with its code in its answer while the stream goes on (admission.py bounds the streams and
+  their messages).
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     @translate_errors
     async def OfferGrant(self, request: ppb.OfferGrantRequest, context) -> ppb.OfferGrantResponse:
+        return self._take_offer(request, context)
+
+    def _take_offer(self, request: ppb.OfferGrantRequest, context) -> ppb.OfferGrantResponse:
         identity = self._caller(request, context)
         self._broker.receive_offer(identity, request.sender_engine_id, sum(len(p.page_ids) for p in request.pages),
                                    lambda max_pages: convert.grant_offer_in(request, max_pages), request.epoch)
@@ -106,12 +110,18 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
     async def NotifyStream(self, requests, context):
         async for request in requests:
             try:
-                acks = self._take_notices(request.notices, context)
-            except Exception as exc:  # the status a NotifyParts call would have ended with
+                if request.HasField("offer"):
+                    offered = self._take_offer(request.offer, context)
+                else:
+                    acks = self._take_notices(request.notices, context)
+            except Exception as exc:  # the status a NotifyParts (OfferGrant) call would have ended with
                 code, reason = failure(exc, "NotifyStream")
                 yield ppb.NotifyStreamResponse(seq=request.seq, code=code.value[0], reason=reason)
                 continue
-            yield ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=acks))
+            if request.HasField("offer"):
+                yield ppb.NotifyStreamResponse(seq=request.seq, offer=offered)
+            else:
+                yield ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=acks))
 
     def _take_notices(self, request: ppb.NotifyPartsRequest, context) -> list[ppb.PartAck]:
         identity = self._caller(request, context)

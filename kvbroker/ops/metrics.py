@@ -84,6 +84,12 @@ class Metrics:
         self.notify_streamed = Counter("kvbroker_peer_notify_streamed",
                                        "Of kvbroker_peer_notify_calls, the batches sent as messages of the peer's "
                                        "NotifyStream rather than as NotifyParts calls", registry=r)
+        self.offers = Counter("kvbroker_peer_offers",
+                              "Grant offers sent to peer brokers (OfferGrant calls or NotifyStream messages)",
+                              registry=r)
+        self.offers_streamed = Counter("kvbroker_peer_offers_streamed",
+                                       "Of kvbroker_peer_offers, those sent as messages of the peer's NotifyStream "
+                                       "rather than as OfferGrant calls", registry=r)
         self.part_notices = Counter("kvbroker_peer_part_notices",
                                     "Part notices sent to peer brokers; over notify_calls: notices per call",
                                     registry=r)
@@ -153,6 +159,12 @@ class Metrics:
         self.part_notices.inc(notices)
         if streamed:
             self.notify_streamed.inc()
+
+    def peer_offer(self, *, streamed: bool) -> None:
+        """One grant offer to a peer: an OfferGrant call, or with `streamed` a message of its NotifyStream."""
+        self.offers.inc()
+        if streamed:
+            self.offers_streamed.inc()
 
     def refusal(self, port: str) -> Callable[[str], None]:
         """What Admission calls on `port` ("local" or "peer") for each request it refuses, with the

@@ -12,10 +12,10 @@ into the clock, and clocks step), so handshake answers are ordered by when they 
 answer with another epoch than the newest applied, to a handshake sent before that one, comes
 from the process the peer has since replaced: it is given back and the handshake is sent again.
 
-The offered flow's calls: `offer` (OfferGrant) and `revoke` (RevokeOffer) for the receiving
-side, `notify` for the sending side, whose notices go through a Notifier (notifier.py) that
-batches them per peer, each batch a message of the peer's NotifyStream (notice_stream.py), or a
-NotifyParts call where the peer does not serve it.
+The offered flow's calls: `offer` and `revoke` (RevokeOffer) for the receiving side, `notify`
+for the sending side, whose notices go through a Notifier (notifier.py) that batches them per
+peer. Each offer and each batch is a message of the peer's NotifyStream (notice_stream.py), or an
+OfferGrant (NotifyParts) call where the peer does not serve it.
 
 An address left unused is forgotten by the idle policy, IdlePeers (peer_idle.py). The receiving
 side is peer_service.py.
@@ -251,8 +251,7 @@ class PeerClients:
                                         address)
 
     async def offer(self, address: str, offer: GrantOffer, timeout: float) -> tuple[str, int]:
-        reply = await self._rpc(address, "OfferGrant", wire.grant_offer_out(offer, self._broker_id, self._epoch),
-                                timeout)
+        reply = await self._notices.offer(address, wire.grant_offer_out(offer, self._broker_id, self._epoch), timeout)
         await self._vouch.check(address, reply.broker_id, timeout)
         return reply.broker_id, reply.epoch
 

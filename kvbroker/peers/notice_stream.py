@@ -1,14 +1,16 @@
-"""Part notices on one long-lived NotifyStream per peer address: the sending side (the receiving side
-is edge/peer_service.py's NotifyStream, bounded by edge/admission.py).
+"""Part notices and grant offers on one long-lived NotifyStream per peer address: the sending side
+(the receiving side is edge/peer_service.py's NotifyStream, bounded by edge/admission.py).
 
-Each batch the Notifier sends is one request on its address's stream, numbered by its `seq`; the peer
-answers the requests in order. A request waits for its answer up to the batch's timeout; one that
-gets none ends the stream, as a silent unary call makes its channel be forgotten. When a stream ends,
-the requests it still carried unanswered:
+Each batch the Notifier sends, and each offer of at most OFFER_BYTES, is one request on its
+address's stream, numbered by its `seq`; the peer answers the requests in order. An offer answered
+without an `offer` (a broker whose stream reads notices only) goes as an OfferGrant call, as does
+every later one to that address until it is forgotten. A request waits for its answer up to its
+timeout; one that gets none ends the stream, as a silent unary call makes its channel be
+forgotten. When a stream ends, the requests it still carried unanswered:
 - after OK, RESOURCE_EXHAUSTED (the peer's admission refused the stream, or a message, before
   reading it) or UNIMPLEMENTED (a broker that does not serve it) were read by no handler: `send`
-  raises Resend, and the caller sends them as NotifyParts calls; after UNIMPLEMENTED every later
-  batch to that address goes so too, until the address is forgotten;
+  raises Resend, and the caller sends them as NotifyParts (OfferGrant) calls; after UNIMPLEMENTED
+  every later batch to that address goes so too, until the address is forgotten;
 - after any other end the peer may have taken them or not, as with a unary call that failed: they
   fail with the stream's status, and the next batch opens a new stream.
 A stream without a request for IDLE_S is closed from this side (its peer would end it after
@@ -36,11 +38,12 @@ from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 IDLE_S = 10.0  # a stream without a request for this long is closed; well under the peer's idle bound
+OFFER_BYTES = 512 << 10  # the biggest offer sent on a stream: half the least a peer's stream takes a message of
 UNREAD = (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED)
 
 
 class Resend(Exception):
-    """The peer read none of the request: send it as a NotifyParts call."""
+    """The peer read none of the request: send it as a unary call (NotifyParts, OfferGrant)."""
 
 
 @dataclass(eq=False)
@@ -54,8 +57,9 @@ class _Stream:
 
 
 class NoticeStreams:
-    """A batch of notices to a peer: on its stream when `enabled` and the peer serves it, else by
-    a NotifyParts call through `rpc` (PeerClients._rpc: address, method, request, timeout)."""
+    """A batch of notices, or an offer, to a peer: on its stream when `enabled` and the peer serves
+    it, else by a NotifyParts (OfferGrant) call through `rpc` (PeerClients._rpc: address, method,
+    request, timeout)."""
 
     def __init__(self, stub_for: Callable[[str], ppb_grpc.PeerServiceStub], silent: Callable[[str], None],
                  rpc: Callable[[str, str, Message, float], Awaitable[Message]], *,
@@ -71,6 +75,7 @@ class NoticeStreams:
         self._idle_s = idle_s
         self._streams: dict[str, _Stream] = {}
         self._old: set[str] = set()  # addresses whose broker answered UNIMPLEMENTED
+        self._no_offers: set[str] = set()  # addresses whose broker's stream reads notices only
         self._seq = itertools.count(1)
         self._tasks = OwnedTasks()
 
@@ -78,40 +83,68 @@ class NoticeStreams:
         """The peer's acks to a batch of notices; its refusal or failure as a BrokerError."""
         reply = None
         if self._enabled and address not in self._old:
-            self._idle.begin(address)
-            try:
-                reply = await self._streamed(address, request, timeout)
-            except Resend:
-                pass  # the peer read none of it: sent again as a NotifyParts call
-            finally:
-                self._idle.end(address)
+            reply = await self._on_stream(address, ppb.NotifyStreamRequest(notices=request), timeout)
         if self._metrics is not None:
             self._metrics.peer_notify(len(request.notices), streamed=reply is not None)
         if reply is None:
             return list((await self._rpc(address, "NotifyParts", request, timeout)).acks)
+        return list(reply.acks.acks)
+
+    async def offer(self, address: str, request: ppb.OfferGrantRequest, timeout: float) -> ppb.OfferGrantResponse:
+        """The peer's answer to an offer; its refusal or failure as a BrokerError. On the address's
+        stream when it is small enough (OFFER_BYTES) and the peer reads offers there, else an
+        OfferGrant call."""
+        reply = None
+        if self._enabled and address not in self._old and address not in self._no_offers \
+                and request.ByteSize() <= OFFER_BYTES:
+            carrier = ppb.NotifyStreamRequest(
+                notices=ppb.NotifyPartsRequest(broker_id=request.broker_id, epoch=request.epoch), offer=request)
+            reply = await self._on_stream(address, carrier, timeout)
+            if reply is not None and not reply.HasField("offer"):
+                self._no_offers.add(address)  # a broker that reads notices only: it took none of this
+                reply = None
+        if self._metrics is not None:
+            self._metrics.peer_offer(streamed=reply is not None)
+        if reply is None:
+            return await self._rpc(address, "OfferGrant", request, timeout)
+        return reply.offer
+
+    async def _on_stream(self, address: str, request: ppb.NotifyStreamRequest,
+                         timeout: float) -> ppb.NotifyStreamResponse | None:
+        """The peer's answer to `request` on the address's stream; None when the peer read none of
+        it (the caller sends it as a unary call); its refusal or the stream's failure as a
+        BrokerError."""
+        self._idle.begin(address)
+        try:
+            reply = await self._streamed(address, request, timeout)
+        except Resend:
+            return None
+        finally:
+            self._idle.end(address)
         if self._limits is not None and (refusal := self._limits.check_lists(reply)) is not None:
             raise BrokerError(Code.RESOURCE_EXHAUSTED, f"peer broker {address}: NotifyStream answer: "
                                                        f"{refusal.message}")
         if reply.code:
             raise from_status(reply.code, reply.reason[:1024], f"peer broker {address}")
-        return list(reply.acks.acks)
+        return reply
 
     def forget(self, address: str) -> None:
         """The address was forgotten: its stream ends (what it carried fails), and the next batch
         tries a stream again."""
         self._old.discard(address)
+        self._no_offers.discard(address)
         stream = self._streams.pop(address, None)
         if stream is not None:
             stream.call.cancel()
 
-    async def _streamed(self, address: str, notices: ppb.NotifyPartsRequest,
+    async def _streamed(self, address: str, request: ppb.NotifyStreamRequest,
                         timeout: float) -> ppb.NotifyStreamResponse:
-        """The peer's answer to `notices`, sent on the address's stream. Raises Resend, or the
-        stream's failure as a BrokerError."""
+        """The peer's answer to `request` (its seq set here), sent on the address's stream. Raises
+        Resend, or the stream's failure as a BrokerError."""
         loop = asyncio.get_running_loop()
         stream = self._stream(address, loop)
         seq = next(self._seq)
-        request = ppb.NotifyStreamRequest(seq=seq, notices=notices)
+        request.seq = seq
         answer = loop.create_future()
         stream.pending[seq] = answer
         stream.used = loop.time()

@@ -102,9 +102,10 @@ async def test_metrics_count_a_transfer_on_both_sides(observed, engines, request
 
 
 async def test_metrics_count_each_part_notice_and_the_notify_call_that_carried_it(observed, engines, request_id):
+    """...and the offer the decode broker sent, as a message of its NotifyStream to the prefill broker."""
     src = await engines.make(observed.prefill, "prefill")
     dst = await engines.make(observed.decode, "decode", fill="canary")
-    before = await scrape(observed.prefill)
+    before, offers_before = await scrape(observed.prefill), await scrape(observed.decode)
     await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
         request_id=request_id, engine_id=dst.engine_id, expiry_ms=30_000,
         pages=[pb.ComponentPages(component=pb.COMPONENT_MAIN_KV, page_ids=[10, 11, 12, 13])],
@@ -118,6 +119,9 @@ async def test_metrics_count_each_part_notice_and_the_notify_call_that_carried_i
     assert delta(before, after, "kvbroker_peer_part_notices_total") == 2  # one per part, sent in turn
     assert delta(before, after, "kvbroker_peer_notify_calls_total") == 2
     assert delta(before, after, "kvbroker_peer_notify_streamed_total") == 2  # as messages of one NotifyStream
+    offers_after = await scrape(observed.decode)
+    assert delta(offers_before, offers_after, "kvbroker_peer_offers_total") == 1
+    assert delta(offers_before, offers_after, "kvbroker_peer_offers_streamed_total") == 1
 
 
 async def test_metrics_count_a_refused_transfer_by_its_code_on_both_sides(observed, engines, request_id):

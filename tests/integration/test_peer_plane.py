@@ -35,13 +35,19 @@ pytestmark = pytest.mark.integration
 
 
 class SilentPeer:
-    """A PeerService that takes every call and never answers it: counts the calls per method."""
+    """A PeerService that takes every call and never answers it: counts the calls per method. With
+    `streams`, it opens each NotifyStream, reads its messages (an offer counted as "offer on the
+    stream") and answers none; without, it does not serve NotifyStream (UNIMPLEMENTED)."""
 
-    def __init__(self) -> None:
+    def __init__(self, streams: bool) -> None:
         self.calls: dict[str, int] = {}
+        self.streams = streams
         self._release = asyncio.Event()
         self.server = grpc.aio.server()
         self.address = ""
+
+    def count(self, method: str) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
 
     async def start(self) -> SilentPeer:
         peer = self
@@ -51,10 +57,20 @@ class SilentPeer:
                 method = details.method.rsplit("/", 1)[-1]
 
                 async def never(request, context):
-                    peer.calls[method] = peer.calls.get(method, 0) + 1
+                    peer.count(method)
                     await peer._release.wait()
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "released")
 
+                async def hold(requests, context):
+                    await context.send_initial_metadata(())
+                    async for request in requests:
+                        peer.count("offer on the stream" if request.HasField("offer") else method)
+                    await peer._release.wait()
+
+                if method == "NotifyStream":
+                    if not peer.streams:
+                        return None
+                    return grpc.stream_stream_rpc_method_handler(hold, ppb.NotifyStreamRequest.FromString)
                 return grpc.unary_unary_rpc_method_handler(never)
 
         self.server.add_generic_rpc_handlers([Handler()])
@@ -68,9 +84,11 @@ class SilentPeer:
         await self.server.stop(0)
 
 
-@pytest.fixture
-async def silent():
-    peer = await SilentPeer().start()
+@pytest.fixture(params=["stream", "unary"])
+async def silent(request):
+    """A silent sender broker: its offers go on its NotifyStream, or (a broker without it) as
+    OfferGrant calls."""
+    peer = await SilentPeer(streams=request.param == "stream").start()
     yield peer
     await peer.stop()
 
@@ -90,9 +108,11 @@ def expect_from(dst, address: str, request_id: str, pages) -> bpb.ExpectTransfer
 
 
 async def test_a_silent_sender_fails_each_waiting_call_with_its_own_status(quick_decode, engines, silent):
-    """50 ExpectTransfer to a sender that never answers OfferGrant: each answers UNAVAILABLE within its
-    own deadline (none is cut off by another's timeout), only once its grant has ended (its watch
-    opens on FAILED), and the same id may be tried again."""
+    """50 ExpectTransfer to a sender that never answers their offers (on its NotifyStream, or as
+    OfferGrant calls): each answers UNAVAILABLE within its own deadline (none hangs on another's
+    timeout), only once its grant has ended (its watch opens on FAILED), and the same id may be tried
+    again."""
+    how = "offer on the stream" if silent.streams else "OfferGrant"
     dst = await engines.make(quick_decode, "decode", fill="canary")
     ids = [f"silent-{secrets.token_hex(4)}-{i}" for i in range(50)]
     calls = [dst.stub.ExpectTransfer(expect_from(dst, silent.address, rid, [i % 64]), timeout=60) for i, rid in
@@ -101,13 +121,13 @@ async def test_a_silent_sender_fails_each_waiting_call_with_its_own_status(quick
     codes = [r.code() for r in results]
     assert codes == [grpc.StatusCode.UNAVAILABLE] * 50, codes
     assert all("offer to the sender broker" in r.details() for r in results)
-    assert silent.calls.get("OfferGrant") == 50
+    assert silent.calls.get(how) == 50, silent.calls
     for rid in ids[:5]:  # ended when the error came: nothing may write into its pages any more
         statuses = await watch_all(dst, rid, timeout=10)
         assert [s.state for s in statuses] == [pb.TRANSFER_STATE_FAILED]
     again = await refusal(dst.stub.ExpectTransfer(expect_from(dst, silent.address, ids[0], [0]), timeout=60))
     assert again.code() == grpc.StatusCode.UNAVAILABLE, again.details()  # tried again, not ALREADY_EXISTS
-    assert silent.calls["OfferGrant"] == 51
+    assert silent.calls[how] == 51, silent.calls
 
 
 
@@ -116,14 +136,18 @@ async def test_a_silent_sender_fails_each_waiting_call_with_its_own_status(quick
 
 class FakePeer(ppb_grpc.PeerServiceServicer):
     """A TLS PeerService of the test's own, holding a certificate of the brokers' CA: it answers
-    Handshake and OfferGrant with what the test scripts (a replayed answer, a borrowed name)."""
+    Handshake and OfferGrant with what the test scripts (a replayed answer, a borrowed name). Its
+    NotifyStream (`stream`): "offers" answers offers as OfferGrant does, "notices only" answers
+    them as a broker that reads only notices there, "none" is not served (UNIMPLEMENTED)."""
 
     def __init__(self, identity: Identity, handshake: ppb.HandshakeResponse | None = None,
-                 offer_answer: ppb.OfferGrantResponse | None = None) -> None:
+                 offer_answer: ppb.OfferGrantResponse | None = None, stream: str = "none") -> None:
         self.identity = identity
         self.handshake = handshake
         self.offer_answer = offer_answer
+        self.stream = stream
         self.notices = 0
+        self.offers = {"stream": 0, "OfferGrant": 0}
         self.server = grpc.aio.server()
         self.address = ""
 
@@ -143,7 +167,22 @@ class FakePeer(ppb_grpc.PeerServiceServicer):
         return self.handshake
 
     async def OfferGrant(self, request, context):
+        self.offers["OfferGrant"] += 1
         return self.offer_answer
+
+    async def NotifyStream(self, requests, context):
+        if self.stream == "none":
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        await context.send_initial_metadata(())
+        async for request in requests:
+            if request.HasField("offer"):
+                self.offers["stream"] += 1
+            if request.HasField("offer") and self.stream == "offers":
+                yield ppb.NotifyStreamResponse(seq=request.seq, offer=self.offer_answer)
+            else:
+                self.notices += len(request.notices.notices)
+                yield ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=[
+                    ppb.PartAck(state=pb.TRANSFER_STATE_TRANSFERRING) for _ in request.notices.notices]))
 
     async def NotifyParts(self, request, context):
         self.notices += len(request.notices)
@@ -243,13 +282,15 @@ async def test_a_handshake_answered_in_a_name_its_certificate_does_not_carry_is_
     assert int(np.count_nonzero(bait.segment.array != CANARY)) == 0
 
 
-async def test_an_offer_answered_in_a_name_its_certificate_does_not_carry_fails(bound, engines, request_id):
+@pytest.mark.parametrize("stream", ["offers", "none"])
+async def test_an_offer_answered_in_a_name_its_certificate_does_not_carry_fails(bound, engines, request_id, stream):
     """The decode broker offers to a server whose certificate names prefill-fake but which answers
-    OfferGrant as the real prefill broker: the grant fails PERMISSION_DENIED, ended when it answers."""
+    the offer (on its NotifyStream, or as an OfferGrant call) as the real prefill broker: the grant
+    fails PERMISSION_DENIED, ended when it answers."""
     _, decode, _, ids = bound
     dst = await engines.make(decode, "decode", fill="canary")
-    fake = await FakePeer(ids["prefill-fake"], offer_answer=ppb.OfferGrantResponse(broker_id="prefill-b",
-                                                                                   epoch=1)).start()
+    fake = await FakePeer(ids["prefill-fake"], offer_answer=ppb.OfferGrantResponse(broker_id="prefill-b", epoch=1),
+                          stream=stream).start()
     try:
         refused = await refusal(dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
             request_id=request_id, engine_id=dst.engine_id, expiry_ms=30_000,
@@ -260,6 +301,29 @@ async def test_an_offer_answered_in_a_name_its_certificate_does_not_carry_fails(
     assert refused.code() == grpc.StatusCode.PERMISSION_DENIED, refused.details()
     assert "certificate does not name" in refused.details()
     assert [s.state for s in await watch_all(dst, request_id, timeout=10)] == [pb.TRANSFER_STATE_FAILED]
+    assert fake.offers == ({"stream": 1, "OfferGrant": 0} if stream == "offers" else {"stream": 0, "OfferGrant": 1})
+
+
+async def test_offers_to_a_broker_whose_stream_reads_notices_only_go_as_offer_grant_calls(bound, engines):
+    """A sender broker of a version whose NotifyStream reads notices only answers the first offer
+    there without an `offer`: it is sent again as an OfferGrant call and the grant goes live; the next
+    offer to that broker goes straight as a call."""
+    _, decode, _, ids = bound
+    dst = await engines.make(decode, "decode", fill="canary")
+    fake = await FakePeer(ids["prefill-fake"], offer_answer=ppb.OfferGrantResponse(broker_id="prefill-fake", epoch=7),
+                          stream="notices only").start()
+    try:
+        for n, rid in enumerate([f"old-{secrets.token_hex(4)}", f"old-{secrets.token_hex(4)}"], start=1):
+            status = await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+                request_id=rid, engine_id=dst.engine_id, expiry_ms=30_000,
+                pages=[pb.ComponentPages(component=MAIN, page_ids=[n])], sender_address=fake.address,
+                sender_engine_id="prefill-fake-0/tp0"), timeout=30)
+            assert status.status.state == pb.TRANSFER_STATE_PENDING, status
+            assert fake.offers == {"stream": 1, "OfferGrant": n}
+            await dst.stub.CancelTransfer(bpb.CancelTransferRequest(engine_id=dst.engine_id, request_id=rid),
+                                          timeout=30)
+    finally:
+        await fake.server.stop(0)
 
 
 # Quotas before work

@@ -205,24 +205,28 @@ class NotifyPartsRequest(_message.Message):
     def __init__(self, broker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., notices: _Optional[_Iterable[_Union[PartNotice, _Mapping]]] = ...) -> None: ...
 
 class NotifyStreamRequest(_message.Message):
-    __slots__ = ("seq", "notices")
+    __slots__ = ("seq", "notices", "offer")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NOTICES_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     notices: NotifyPartsRequest
-    def __init__(self, seq: _Optional[int] = ..., notices: _Optional[_Union[NotifyPartsRequest, _Mapping]] = ...) -> None: ...
+    offer: OfferGrantRequest
+    def __init__(self, seq: _Optional[int] = ..., notices: _Optional[_Union[NotifyPartsRequest, _Mapping]] = ..., offer: _Optional[_Union[OfferGrantRequest, _Mapping]] = ...) -> None: ...
 
 class NotifyStreamResponse(_message.Message):
-    __slots__ = ("seq", "acks", "code", "reason")
+    __slots__ = ("seq", "acks", "code", "reason", "offer")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     ACKS_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
     seq: int
     acks: NotifyPartsResponse
     code: int
     reason: str
-    def __init__(self, seq: _Optional[int] = ..., acks: _Optional[_Union[NotifyPartsResponse, _Mapping]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    offer: OfferGrantResponse
+    def __init__(self, seq: _Optional[int] = ..., acks: _Optional[_Union[NotifyPartsResponse, _Mapping]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., offer: _Optional[_Union[OfferGrantResponse, _Mapping]] = ...) -> None: ...
 
 class PartNotice(_message.Message):
     __slots__ = ("engine_id", "request_id", "offer_token", "part", "parts_total", "succeeded", "code", "reason", "landed", "aux", "truncated_pages")

@@ -123,12 +123,13 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def NotifyStream(self, request_iterator, context):
-        """NotifyParts as messages on one long-lived stream per pair of brokers: each request is answered
-        by one response with its `seq`, in order, while the stream goes on; a request refused (its
-        caller not admitted, a notice malformed) gets its code and reason in its response. A request
-        over the stream's size bound, or a stream beyond the bounds on streams, ends the stream with
-        RESOURCE_EXHAUSTED before any handler reads it. A broker that does not serve it answers
-        UNIMPLEMENTED, and the caller uses NotifyParts.
+        """NotifyParts, and OfferGrant, as messages on one long-lived stream per pair of brokers and
+        direction: each request is answered by one response with its `seq`, in order, while the stream
+        goes on; a request refused (its caller not admitted, a notice malformed, an offer over a quota)
+        gets its code and reason in its response. A request over the stream's size bound, or a stream
+        beyond the bounds on streams, ends the stream with RESOURCE_EXHAUSTED before any handler reads
+        it. A broker that does not serve it answers UNIMPLEMENTED, and the caller uses NotifyParts (and
+        OfferGrant).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
