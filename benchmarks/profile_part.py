@@ -90,7 +90,7 @@ async def requests_for(seconds: float, config: dict, prefill, decode, pids: dict
                                    for name, pid in pids.items()}}
 
 
-async def profile(backend: str, seconds: float, top: int) -> dict:
+async def profile(backend: str, seconds: float, top: int, sample: bool = True) -> dict:
     side = await open_side(backend, False, 60.0)
     placements = shapes.place_buffers(BENCH_CONTROL)
     size = shapes.pool_size(BENCH_CONTROL, placements)
@@ -108,6 +108,8 @@ async def profile(backend: str, seconds: float, top: int) -> dict:
             try:
                 await requests_for(2.0, config, prefill, decode, pids)  # warm: streams, handshake, caches
                 plain = await requests_for(seconds, config, prefill, decode, pids)
+                if not sample:
+                    return {"backend": backend, "seconds": seconds, "without_py_spy": plain}
                 with tempfile.TemporaryDirectory() as out:
                     spies = {name: await asyncio.create_subprocess_exec(
                         *spy_command(pid, seconds, Path(out) / f"{name}.txt"), stdout=asyncio.subprocess.DEVNULL,
@@ -135,10 +137,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--top", type=int, default=80, help="functions kept per broker")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="only the window without py-spy: requests, part p50, CPU per request")
     args = parser.parse_args()
-    if shutil.which("py-spy") is None:
+    if shutil.which("py-spy") is None and not args.cpu_only:
         sys.exit("profile_part.py: py-spy is not on PATH (pip install -e '.[bench]')")
-    report = asyncio.run(profile(args.backend, args.seconds, args.top))
+    report = asyncio.run(profile(args.backend, args.seconds, args.top, sample=not args.cpu_only))
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text + "\n")

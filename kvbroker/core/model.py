@@ -9,6 +9,8 @@ domain: `Region` (a registered byte range) and `Descriptors` (the planner's rows
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,12 +144,42 @@ class BufferLayout:
     memory_kind: MemoryKind = MemoryKind.HOST
 
 
+@dataclass(frozen=True, eq=False)
+class BufferColumns:
+    """Layer buffers as the planner multiplies page runs by them: (n, 1) uint64 columns of their
+    addresses, item lengths and devices, and their one memory kind."""
+
+    base: np.ndarray
+    item: np.ndarray
+    device: np.ndarray
+    memory_kind: MemoryKind
+
+    @classmethod
+    def of(cls, buffers: Sequence[BufferLayout], side: str = "layer") -> BufferColumns:
+        kinds = {b.memory_kind for b in buffers}
+        if len(kinds) > 1:
+            raise ValueError(f"{side} layer buffers mix host and GPU memory")
+        return cls(np.array([b.address for b in buffers], dtype=np.uint64)[:, None],
+                   np.array([b.item_len for b in buffers], dtype=np.uint64)[:, None],
+                   np.array([b.device for b in buffers], dtype=np.uint64)[:, None],
+                   kinds.pop() if kinds else MemoryKind.HOST)
+
+    @property
+    def count(self) -> int:
+        return int(self.base.shape[0])
+
+
 @dataclass(frozen=True)
 class ComponentLayout:
     kind: Component
     layout: Layout
     num_pages: int
     buffers: tuple[BufferLayout, ...]  # sorted by (layer_id, role)
+
+    @functools.cached_property
+    def columns(self) -> BufferColumns:
+        """Its buffers as the planner uses them, computed once per layout (a layout never changes)."""
+        return BufferColumns.of(self.buffers)
 
     @property
     def buffer_keys(self) -> tuple[tuple[int, BufferRole], ...]:

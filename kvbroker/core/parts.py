@@ -27,7 +27,7 @@ import numpy as np
 from kvbroker.core import topology
 from kvbroker.core.errors import BrokerError, Code, precondition
 from kvbroker.core.model import Component, Descriptors, EngineLayout
-from kvbroker.core.planner import build_descriptors, plan_runs
+from kvbroker.core.planner import Runs, describe, plan_runs
 from kvbroker.core.validation import check_page_ids
 
 
@@ -116,6 +116,8 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
     landed, src_rows, dst_rows = [], [], []
     total_pages = total_runs = 0
     kinds_seen = set()
+    # A component with the same pages as the one before it shares that one's runs: one plan per part.
+    last_plan: tuple[np.ndarray, np.ndarray, Runs] | None = None
     for entry in pages:
         kind = entry.kind
         if kind in kinds_seen:
@@ -127,8 +129,10 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
         hit = coverage.first_overlap(kind, rule.dst_offset, len(rule.dst))
         if hit is not None:
             raise _overlap_refusal(kind, hit, granted[kind])
-        runs = plan_runs(rule.src, rule.dst)
-        described = build_descriptors(runs, src.components[kind].buffers, dst.components[kind].buffers)
+        if last_plan is None or not (np.array_equal(rule.src, last_plan[0]) and np.array_equal(rule.dst, last_plan[1])):
+            last_plan = (rule.src, rule.dst, plan_runs(rule.src, rule.dst))
+        runs = last_plan[2]
+        described = describe(runs, src.components[kind].columns, dst.components[kind].columns)
         src_rows.append(described.src)
         dst_rows.append(described.dst)
         kinds = (described.src_memory_kind, described.dst_memory_kind)

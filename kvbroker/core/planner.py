@@ -5,7 +5,8 @@ cut to equal length (rule truncate), the destination ids guarded, then runs and 
 `plan_runs` splits a pair of page-id lists into runs (maximal stretches where both ids step by
 +1); `build_descriptors` turns runs into one (address, length, device) row per run per layer
 buffer, for the source and the destination side (`Descriptors`, model.py, what a backend takes),
-each side with the one memory kind (host or GPU) of its buffers.
+each side with the one memory kind (host or GPU) of its buffers; `describe` does so from buffers
+already in columns (`ComponentLayout.columns`, computed once per layout).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbroker.core import topology
-from kvbroker.core.model import BufferLayout, Component, Descriptors, EngineLayout, MemoryKind
+from kvbroker.core.model import BufferColumns, BufferLayout, Component, Descriptors, EngineLayout
 from kvbroker.core.validation import check_page_ids, registered_pages
 
 
@@ -66,25 +67,14 @@ def _u64_row(values: np.ndarray) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).view(np.uint64)[None, :]
 
 
-def _side(buffers: Sequence[BufferLayout], starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    base = np.array([b.address for b in buffers], dtype=np.uint64)[:, None]
-    item = np.array([b.item_len for b in buffers], dtype=np.uint64)[:, None]
-    device = np.array([b.device for b in buffers], dtype=np.uint64)[:, None]
-    rows = np.empty((len(buffers), starts.size, 3), dtype=np.uint64)
+def _side(columns: BufferColumns, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    rows = np.empty((columns.count, starts.size, 3), dtype=np.uint64)
     # Computed into the rows in place: no (buffers x runs) temporaries.
-    np.multiply(_u64_row(starts), item, out=rows[:, :, 0])
-    rows[:, :, 0] += base
-    np.multiply(_u64_row(lengths), item, out=rows[:, :, 1])
-    rows[:, :, 2] = device
+    np.multiply(_u64_row(starts), columns.item, out=rows[:, :, 0])
+    rows[:, :, 0] += columns.base
+    np.multiply(_u64_row(lengths), columns.item, out=rows[:, :, 1])
+    rows[:, :, 2] = columns.device
     return rows.reshape(-1, 3)
-
-
-def memory_kind(buffers: Sequence[BufferLayout], side: str) -> MemoryKind:
-    """The one memory kind of a side's buffers (an engine's buffers never mix kinds; the registry sees to it)."""
-    kinds = {b.memory_kind for b in buffers}
-    if len(kinds) > 1:
-        raise ValueError(f"{side} layer buffers mix host and GPU memory")
-    return kinds.pop() if kinds else MemoryKind.HOST
 
 
 def build_descriptors(
@@ -93,13 +83,18 @@ def build_descriptors(
     """One row per (layer buffer, run), buffer-major. Buffers pair up by position and share item_len."""
     if len(src_buffers) != len(dst_buffers):
         raise ValueError("source and destination need the same number of layer buffers")
-    kinds = memory_kind(src_buffers, "source"), memory_kind(dst_buffers, "destination")
-    if not src_buffers or runs.count == 0:
+    return describe(runs, BufferColumns.of(src_buffers, "source"), BufferColumns.of(dst_buffers, "destination"))
+
+
+def describe(runs: Runs, src: BufferColumns, dst: BufferColumns) -> Descriptors:
+    """build_descriptors of buffers already in columns (a ComponentLayout's `columns`, computed once)."""
+    if src.count != dst.count:
+        raise ValueError("source and destination need the same number of layer buffers")
+    if not src.count or runs.count == 0:
         empty = np.empty((0, 3), dtype=np.uint64)
-        return Descriptors(empty, empty, *kinds)
-    return Descriptors(
-        _side(src_buffers, runs.src_start, runs.length), _side(dst_buffers, runs.dst_start, runs.length), *kinds
-    )
+        return Descriptors(empty, empty, src.memory_kind, dst.memory_kind)
+    return Descriptors(_side(src, runs.src_start, runs.length), _side(dst, runs.dst_start, runs.length),
+                       src.memory_kind, dst.memory_kind)
 
 
 @dataclass(frozen=True)

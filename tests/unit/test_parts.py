@@ -20,6 +20,7 @@ from kvbroker.core.model import (
     Topology,
 )
 from kvbroker.core.parts import Coverage, Landed, Landing, PartPages, check_grant_inside, landed_bytes, plan_part
+from kvbroker.core.planner import build_descriptors, plan_runs
 from tests.helpers import refusal
 
 MAIN, INDEX, DENSE = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV
@@ -135,6 +136,26 @@ def test_landing_refuses_a_repeated_part_and_an_overlap():
 
 def test_landed_bytes_come_from_the_receivers_item_len():
     assert landed_bytes(DST, [Landed(MAIN, 0, 3), Landed(INDEX, 0, 2)]) == 3 * 4 * 256 + 2 * 2 * 64
+
+
+def reference_rows(kind, src_ids, dst_ids):
+    """A component's descriptors planned alone, from its buffers (the claimed flow's way)."""
+    described = build_descriptors(plan_runs(np.asarray(src_ids), np.asarray(dst_ids)), SRC.components[kind].buffers,
+                                  DST.components[kind].buffers)
+    return described.src, described.dst
+
+
+@pytest.mark.parametrize("index_pages", [[4, 5, 9], [4, 6, 9]], ids=["same-pages", "other-pages"])
+def test_components_of_one_part_get_the_rows_each_would_alone(index_pages):
+    """MAIN_KV and MINIMAX_INDEX_K of one part, on the same pages (one plan of runs serves both) or
+    on others: every component's rows are those it would have planned alone, in the part's order."""
+    grant = {MAIN: np.array([20, 21, 40]), INDEX: np.array([20, 21, 40])}
+    plan = plan_part(SRC, DST, grant, fresh(grant), [PartPages(MAIN, np.array([4, 5, 9]), 0),
+                                                     PartPages(INDEX, np.array(index_pages), 0)], last=True)
+    main, index = reference_rows(MAIN, [4, 5, 9], [20, 21, 40]), reference_rows(INDEX, index_pages, [20, 21, 40])
+    assert np.array_equal(plan.descriptors.src, np.concatenate([main[0], index[0]]))
+    assert np.array_equal(plan.descriptors.dst, np.concatenate([main[1], index[1]]))
+    assert plan.runs == 2 + (2 if index_pages == [4, 5, 9] else 3)
 
 
 chunks = st.lists(st.tuples(st.integers(0, 10), st.integers(0, 12)), min_size=1, max_size=6)
