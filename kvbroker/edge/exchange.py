@@ -199,7 +199,7 @@ class _Stream:
         return status
 
     async def _watch(self, command_id: int, request: bpb.WatchTransferRequest) -> None:
-        updates = self._broker.watch(request.engine_id, request.request_id)
+        updates = self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only)
         async with contextlib.aclosing(updates):
             async for status in updates:
                 reply = bpb.ExchangeResponse(command_id=command_id,

@@ -68,7 +68,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     async def WatchTransfer(self, request, context):
         try:
-            updates = self._broker.watch(request.engine_id, request.request_id)
+            updates = self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only)
         except BrokerError as exc:
             await context.abort(status_code(exc.code), details(exc.reason))
         async with contextlib.aclosing(updates):

@@ -275,9 +275,9 @@ class Broker:
             return await self.sender.transfer(cmd, timeout)
         return await self.part_sender.send_part(cmd, timeout)
 
-    def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
+    def watch(self, engine_id: str, request_id: str, *, states_only: bool = False) -> AsyncIterator[TransferStatus]:
         self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
-        return self.table.watch(engine_id, request_id)
+        return self.table.watch(engine_id, request_id, states_only=states_only)
 
     async def cancel(self, engine_id: str, request_id: str, reason: str) -> TransferStatus:
         """Fail a request; returns once its peer has stopped writing into or reading out of it (an

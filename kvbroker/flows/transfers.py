@@ -284,9 +284,10 @@ class TransferTable:
         self.start(record)
         return Grant(granted, record.claim_token, self.remaining_s(record))
 
-    def watch(self, engine_id: str, request_id: str) -> AsyncIterator[TransferStatus]:
-        """The current state, then every change of state or of the parts landed, to a terminal one."""
-        return _statuses(self.get(engine_id, request_id))
+    def watch(self, engine_id: str, request_id: str, *, states_only: bool = False) -> AsyncIterator[TransferStatus]:
+        """The current state, then every change of state or (unless `states_only`) of the parts
+        landed, to a terminal one."""
+        return _statuses(self.get(engine_id, request_id), states_only)
 
 
 class _Fences:
@@ -321,7 +322,7 @@ def _cancel_timer(record: GrantRecord) -> None:
         record.timer = None
 
 
-async def _statuses(record: TransferRecord) -> AsyncIterator[TransferStatus]:
+async def _statuses(record: TransferRecord, states_only: bool) -> AsyncIterator[TransferStatus]:
     queue: asyncio.Queue[TransferStatus] = asyncio.Queue()
     record.watchers.add(queue)
     try:
@@ -329,7 +330,7 @@ async def _statuses(record: TransferRecord) -> AsyncIterator[TransferStatus]:
         yield status
         while not status.state.terminal:
             change = await queue.get()
-            if change.state is not status.state or change.parts != status.parts:
+            if change.state is not status.state or (change.parts != status.parts and not states_only):
                 status = change
                 yield status
     finally:

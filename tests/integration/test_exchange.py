@@ -17,7 +17,7 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import SMALL, assert_bytes, close_broker, open_broker
-from tests.integration.flows import DENSE, INDEX, M3, MAIN, expect_pages, offer, part, refusal, watch_all
+from tests.integration.flows import DENSE, INDEX, M3, MAIN, expect_pages, offer, part, refusal, rest, watch_all
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +72,41 @@ async def test_a_chunked_request_through_the_stream_lands_every_byte_and_its_aux
         assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all, dst_all), (INDEX, src_all[2:], dst_all[2:]),
                                                           (DENSE, src_all, dst_all)]))
         assert decode.streams_opened == prefill.streams_opened == 1  # every command on one stream each
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_states_only_watch_sends_each_state_once_not_each_part(brokers, engines, request_id):
+    """A request in three parts, watched on the decode broker four ways at once: a plain watch sees
+    each part land (PENDING, TRANSFERRING twice, SUCCEEDED); a states_only one, as a call or on the
+    Exchange stream, sees PENDING, TRANSFERRING, SUCCEEDED and the last status whole."""
+    src = await engines.make(brokers.prefill, "prefill", seed=23)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    decode, prefill = stream(brokers.decode), stream(brokers.prefill)
+    PENDING, MOVING, DONE = pb.TRANSFER_STATE_PENDING, pb.TRANSFER_STATE_TRANSFERRING, pb.TRANSFER_STATE_SUCCEEDED
+    try:
+        await decode.command("expect", offer_request(dst, src, request_id, {MAIN: [7, 8, 9]}), 10)
+        calls = {only: dst.stub.WatchTransfer(bpb.WatchTransferRequest(
+            engine_id=dst.engine_id, request_id=request_id, states_only=only), timeout=30) for only in (False, True)}
+        streamed = {only: decode.watch(bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id,
+                                                                states_only=only), 30) for only in (False, True)}
+        seen = {}
+        for key, first in [*((("call", k), c.read()) for k, c in calls.items()),
+                           *((("stream", k), anext(w)) for k, w in streamed.items())]:
+            message = await first  # each watch has begun (its first status is the current one)
+            seen[key] = [message.status if key[0] == "call" else message]
+        for i in range(3):
+            await prefill.command("transfer", part_request(src, request_id, {MAIN: [i]}, offsets={MAIN: i},
+                                                           last=i == 2), 30)
+        for only, call in calls.items():
+            seen[("call", only)] += await rest(call)
+        for only, watch in streamed.items():
+            seen[("stream", only)] += [s async for s in watch]
+        for (how, only), statuses_seen in seen.items():
+            expected = [PENDING, MOVING, DONE] if only else [PENDING, MOVING, MOVING, DONE]
+            assert [s.state for s in statuses_seen] == expected, (how, only, statuses_seen)
+            assert statuses_seen[-1].parts == 3 and statuses_seen[-1].pages == 3
     finally:
         await decode.close()
         await prefill.close()

@@ -379,14 +379,16 @@ class BrokerClient:
                                   retry_unavailable=False)
         return TransferStatus.from_proto(reply.status)
 
-    async def watch(self, engine_id: str, request_id: str, *,
-                    timeout: float | None = None) -> AsyncIterator[TransferStatus]:
-        """The request's current state, then each change; ends after a terminal state.
+    async def watch(self, engine_id: str, request_id: str, *, timeout: float | None = None,
+                    states_only: bool = False) -> AsyncIterator[TransferStatus]:
+        """The request's current state, then each change; ends after a terminal state. With
+        `states_only`, each change of state only, not each part that lands (fewer messages; a
+        broker that does not know the option sends them all).
 
         A stream the broker cuts (it stopped before the request ended) raises Unavailable.
         """
         deadline = self._deadline(timeout, self.transfer_timeout)
-        request = bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id)
+        request = bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id, states_only=states_only)
         if self._exchanged():
             try:
                 async for status in self._watch_exchanged(request, deadline):

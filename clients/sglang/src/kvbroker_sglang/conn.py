@@ -636,7 +636,8 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
         """Watch the request on this side's broker until it ends, into SGLang's request_status."""
         while room in self.request_status:
             try:
-                async for status in self.client.watch(self.engine_id, str(room),
+                # states_only: SGLang's KVPoll follows the state; a message per landed part is not needed
+                async for status in self.client.watch(self.engine_id, str(room), states_only=True,
                                                       timeout=self.settings.watch_timeout_s):
                     self._apply(room, status)
                     if status.state.terminal:

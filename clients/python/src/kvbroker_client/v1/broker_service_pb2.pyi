@@ -133,12 +133,14 @@ class TransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class WatchTransferRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id")
+    __slots__ = ("engine_id", "request_id", "states_only")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATES_ONLY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    states_only: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., states_only: _Optional[bool] = ...) -> None: ...
 
 class WatchTransferResponse(_message.Message):
     __slots__ = ("status",)
