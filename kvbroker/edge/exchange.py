@@ -9,7 +9,8 @@ server's at shutdown. One `_Stream` per stream:
   message as edge/codes.py maps it for the unary RPC: no rule is checked here;
 - a message admission.py refused (too large, too many page ids) arrives as its Refusal, answered
   under its command_id as the unary RPC would be refused;
-- each command writes its own replies, one write at a time (gRPC takes no more);
+- each command writes its own replies, one write at a time (gRPC takes no more), and none before the
+  stream's initial metadata has been sent; a reply that could not be written ends the stream;
 - the requests an ExpectTransfer or a Transfer on it created or fed are *carried*: when the stream
   ends (the client went, broke or half-closed, or the broker stopped: then after its commands wrote
   their last replies, up to CLOSE_WAIT_S, the drain having ended every request), `_end` lets its expects and
@@ -74,15 +75,21 @@ class _Stream:
         self._carried: dict[tuple[str, str], None] = {}  # (engine_id, request_id), insertion-ordered
         self._pruned_at = 0
         self._writing = asyncio.Lock()  # grpc takes one write at a time; each command writes its own replies
-        self._over = asyncio.Event()  # every command read has ended after the client's last, or the broker stops
+        # every command read has ended after the client's last, a reply was lost, or the broker stops
+        self._over = asyncio.Event()
         self._read_all = False
 
     async def run(self, requests: AsyncIterator[bpb.ExchangeRequest]) -> None:
-        reader = asyncio.get_running_loop().create_task(self._read(requests), name="exchange reader")
         stopping = asyncio.ensure_future(self._broker.stopping.wait())
         stopping.add_done_callback(lambda _: self._over.set())
+        reader: asyncio.Task | None = None
         try:
-            await self._context.send_initial_metadata(())  # the client learns at once that the RPC is served
+            # The client learns at once that the RPC is served, and writes its first command then. Only
+            # after this returns are commands read: grpc marks the metadata sent when the send completes,
+            # and a reply written before that carries the metadata again, a batch grpc core refuses (the
+            # reply lost, its client waiting out the command's deadline).
+            await self._context.send_initial_metadata(())
+            reader = asyncio.get_running_loop().create_task(self._read(requests), name="exchange reader")
             await self._over.wait()
             if self._broker.stopping.is_set():
                 # The drain ended every request before it set `stopping`: each watch still has its
@@ -90,7 +97,8 @@ class _Stream:
                 # the stream end instead of "broker shut down").
                 await self._commands.wait(CLOSE_WAIT_S)
         finally:
-            reader.cancel()
+            if reader is not None:
+                reader.cancel()
             stopping.cancel()
             self._ends.spawn(self._end(), "exchange end")
 
@@ -129,12 +137,17 @@ class _Stream:
             self._over.set()
 
     async def _write(self, reply: bpb.ExchangeResponse) -> None:
-        """One reply, written by the task that has it (no hop through a writer task)."""
+        """One reply, written by the task that has it (no hop through a writer task). A reply that could
+        not be written ends the stream: its client learns that (StreamBroken) instead of waiting out
+        the command's deadline, and _end fails what the stream carried."""
         async with self._writing:
             try:
                 await self._context.write(reply)
-            except Exception as exc:  # the stream ended under it (the client went): _end takes over
-                log.debug("exchange reply %d not written: %s", reply.command_id, exc)
+            except Exception as exc:
+                gone = self._context.done()  # the client went or the call ended: _end takes over
+                log.log(logging.DEBUG if gone else logging.WARNING, "exchange reply %d not written, the stream "
+                        "ends: %s: %s", reply.command_id, type(exc).__name__, exc)
+                self._over.set()
 
     async def _last(self, reply: bpb.ExchangeResponse) -> None:
         """A command's last reply, its slot freed before it is written: a client that saw the reply
