@@ -1,5 +1,5 @@
 """Time to first token and requests/s through real SGLang 0.5.23 PD servers: kvbroker beside SGLang's
-own mooncake backend, in one run, on the same prompts; and the timeline of one kvbroker request.
+own mooncake backend, in one run, on the same prompts; and where a kvbroker request's time goes.
 
     scripts/in-netns.sh .venv/bin/python benchmarks/serving.py [--out FILE] [--engines nixl,mooncake]
                                                                [--model llama|minimax]
@@ -10,7 +10,8 @@ a broker per server. TTFT: the same prompts sent to each deployment in turn, one
 (so load on the machine falls on all alike), streamed, greedy; the time from sending the request to
 the first streamed token. Requests/s: a batch sent at once to one deployment, then the next. Then,
 with the trace on (KVBROKER_SERVING_TRACE, kvbroker/tools/serving/trace.py), a kvbroker request's
-steps as each process logged them, in ms from the router post. JSON to --out, a summary on stdout.
+steps as each process logged them, in ms from the router post; and the median of each step over
+every TTFT sample (`timeline_medians`: the trace is on throughout). JSON to --out, a summary on stdout.
 The targets (not tests): kvbroker's median TTFT <= 1.2x mooncake's on the Llama shape, <= 1.1x on the
 MiniMax-M3 shape (`--model minimax`: kvbroker/tools/serving/minimax.py, 3 dense + 4 K-only sparse
 layers, whose PD transfer moves three components: sparse KV, index K, dense KV).
@@ -64,6 +65,49 @@ def timeline(events: list[dict], post_t: float, room: str) -> list[dict]:
              **{k: v for k, v in e.items() if k not in ("t", "event", "pid", "key")}} for e in mine]
 
 
+def step_name(step: dict) -> str:
+    """A traced step's row: its event, with the state, the part's kind or the span's phase."""
+    name = step["event"]
+    if "state" in step:
+        name += f" {step['state']}"
+    if step["event"] == "client.transfer_part":
+        name += " (last)" if step.get("last") else " (not last)"
+    if "phase" in step:
+        name += f" {step['phase']}"
+    return name
+
+
+def median_timeline(events: list[dict], series: dict) -> dict:
+    """Every kvbroker TTFT sample's traced steps in ms from its router post, and per step the median
+    over the samples (a step a request takes more than once, a part's, is one row per occurrence).
+    The samples went one at a time, so a sample's room is the one decode sent metadata for between
+    its post and the next."""
+    posts = sorted(t for s in series.values() for t in s.posted_at)
+    metadata = [e for e in events if e["event"] == "decode.send_metadata"]
+    result = {}
+    for label, s in series.items():
+        if not label.startswith("kvbroker"):
+            continue
+        rows: dict[str, list[float]] = {}
+        matched = 0
+        for post, ttft in zip(s.posted_at, s.ttft_s):
+            end = next((t for t in posts if t > post), float("inf"))
+            rooms = {e["key"] for e in metadata if post <= e["t"] < end}
+            if len(rooms) != 1:
+                continue
+            matched += 1
+            seen: dict[str, int] = {}
+            steps = timeline(events, post, rooms.pop()) + [{"ms": ttft * 1000, "event": "client.first_token"}]
+            for step in sorted(steps, key=lambda x: x["ms"]):
+                name = step_name(step)
+                seen[name] = seen.get(name, 0) + 1
+                rows.setdefault(name if seen[name] == 1 else f"{name} #{seen[name]}", []).append(step["ms"])
+        medians = sorted(((statistics.median(ms), name, len(ms)) for name, ms in rows.items()))
+        result[label] = {"samples": len(s.posted_at), "traced": matched,
+                         "steps": [{"median_ms": round(m, 2), "step": name, "samples": n} for m, name, n in medians]}
+    return result
+
+
 async def traced_request(http, url: str, prompt: list[int], tokens: int, trace_dir: Path) -> dict:
     from kvbroker.tools.serving import client, trace
 
@@ -102,6 +146,9 @@ async def run(args: argparse.Namespace) -> dict:
         rates = {label: await compare.throughput(http, url, batch, args.tokens) for label, url in urls.items()}
         timelines = {label: await traced_request(http, urls[label], prompts[0], args.tokens, trace_dir)
                      for label in labels if label.startswith("kvbroker")}
+    from kvbroker.tools.serving import trace
+
+    medians = median_timeline(trace.read(trace_dir), series)
     same = all(series[label].answers == series["mooncake"].answers for label in labels)
     moon = series["mooncake"].median_ms
     ttft = {label: {"median_ms": round(s.median_ms, 2),
@@ -129,6 +176,7 @@ async def run(args: argparse.Namespace) -> dict:
                    "met": {label: r <= target for label, r in ratios.items()}},
         "throughput": rates,
         "timeline": timelines,
+        "timeline_medians": medians,
         "log_dir": str(log_dir),
     }
 
@@ -157,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, ratio in result["ttft_median_ratio_vs_mooncake"].items():
         print(f"{label} / mooncake median TTFT ({args.model}): {ratio:.2f}x (target <= {target}x: "
               f"{'met' if ratio <= target else 'missed'})")
+    for label, timeline_of in result["timeline_medians"].items():
+        print(f"{label}: median ms from the router post over {timeline_of['traced']} of {timeline_of['samples']} "
+              "TTFT samples")
+        for step in timeline_of["steps"]:
+            print(f"  {step['median_ms']:9.2f}  {step['step']}  (in {step['samples']})")
     print(f"same tokens on every backend: {result['same_tokens_on_every_backend']}; JSON: {out}")
     return 0
 

@@ -14,7 +14,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbroker.tools.serving import client, stack
@@ -45,6 +45,7 @@ async def deployments(model: Path, log_dir: Path, labels: Sequence[str], *, pref
 class Series:
     ttft_s: list[float]
     answers: list[list[int]]
+    posted_at: list[float] = field(default_factory=list)  # each sample's POST, unix seconds (the trace's clock)
 
     @property
     def median_ms(self) -> float:
@@ -59,7 +60,9 @@ async def interleaved_ttft(http, urls: dict[str, str], prompts: list[list[int]],
     series = {label: Series([], []) for label in urls}
     for prompt in prompts:
         for label, url in urls.items():
+            posted_at = time.time()
             answer = await client.generate(http, url, prompt, tokens)
+            series[label].posted_at.append(posted_at)
             series[label].ttft_s.append(answer.ttft_s)
             series[label].answers.append(answer.output_ids)
     return series
