@@ -66,7 +66,7 @@ class CudaDriver:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
-        self._fn = {name: _bind(lib, name, args) for name, args in _SIGNATURES.items()}
+        self._fn = {name: _bind(lib, symbol, args) for name, (symbol, args) in _SIGNATURES.items()}
         self._contexts: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
         count = ctypes.c_int()
@@ -134,31 +134,34 @@ class CudaDriver:
 
 
 _P = ctypes.c_void_p  # out-parameters are passed by reference
+# Each call's entry point by its exact symbol: cuda.h maps some plain names to a `_v2` of the same
+# signature (cuMemAlloc), but CUDA 13's cuCtxSynchronize_v2 takes a context argument that the plain
+# cuCtxSynchronize has not, so "_v2 where it exists" would call it with garbage (seen on an H200:
+# CUDA_ERROR_CONTEXT_IS_DESTROYED at the first broker-owned allocation).
 _SIGNATURES = {
-    "cuDeviceGetCount": (_P,),
-    "cuDeviceGet": (_P, ctypes.c_int),
-    "cuDevicePrimaryCtxRetain": (_P, ctypes.c_int),
-    "cuCtxPushCurrent": (ctypes.c_void_p,),
-    "cuCtxPopCurrent": (_P,),
-    "cuIpcOpenMemHandle": (_P, _IpcMemHandle, ctypes.c_uint),
-    "cuIpcCloseMemHandle": (_CUdeviceptr,),
-    "cuIpcGetMemHandle": (_P, _CUdeviceptr),
-    "cuMemGetAddressRange": (_P, _P, _CUdeviceptr),
-    "cuPointerGetAttribute": (_P, ctypes.c_int, _CUdeviceptr),
-    "cuMemAlloc": (_P, ctypes.c_size_t),
-    "cuMemsetD8": (_CUdeviceptr, ctypes.c_ubyte, ctypes.c_size_t),
-    "cuMemFree": (_CUdeviceptr,),
-    "cuCtxSynchronize": (),
+    "cuDeviceGetCount": ("cuDeviceGetCount", (_P,)),
+    "cuDeviceGet": ("cuDeviceGet", (_P, ctypes.c_int)),
+    "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", (_P, ctypes.c_int)),
+    "cuCtxPushCurrent": ("cuCtxPushCurrent_v2", (ctypes.c_void_p,)),
+    "cuCtxPopCurrent": ("cuCtxPopCurrent_v2", (_P,)),
+    "cuIpcOpenMemHandle": ("cuIpcOpenMemHandle_v2", (_P, _IpcMemHandle, ctypes.c_uint)),
+    "cuIpcCloseMemHandle": ("cuIpcCloseMemHandle", (_CUdeviceptr,)),
+    "cuIpcGetMemHandle": ("cuIpcGetMemHandle", (_P, _CUdeviceptr)),
+    "cuMemGetAddressRange": ("cuMemGetAddressRange_v2", (_P, _P, _CUdeviceptr)),
+    "cuPointerGetAttribute": ("cuPointerGetAttribute", (_P, ctypes.c_int, _CUdeviceptr)),
+    "cuMemAlloc": ("cuMemAlloc_v2", (_P, ctypes.c_size_t)),
+    "cuMemsetD8": ("cuMemsetD8_v2", (_CUdeviceptr, ctypes.c_ubyte, ctypes.c_size_t)),
+    "cuMemFree": ("cuMemFree_v2", (_CUdeviceptr,)),
+    "cuCtxSynchronize": ("cuCtxSynchronize", ()),
 }
 
 
-def _bind(lib: ctypes.CDLL, name: str, argtypes: tuple):
-    for symbol in (f"{name}_v2", name):  # cuda.h maps the plain names to the _v2 entry points where they exist
-        fn = getattr(lib, symbol, None)
-        if fn is not None:
-            fn.argtypes, fn.restype = argtypes, ctypes.c_int
-            return fn
-    raise CudaUnavailable(f"libcuda.so.1 has no {name}")
+def _bind(lib: ctypes.CDLL, symbol: str, argtypes: tuple):
+    fn = getattr(lib, symbol, None)
+    if fn is None:
+        raise CudaUnavailable(f"libcuda.so.1 has no {symbol}")
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
 
 
 def _error_name(lib: ctypes.CDLL, code: int) -> str:

@@ -9,6 +9,7 @@ skipped without CUDA, and in benchmarks/gpu_check.py.
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 
@@ -200,6 +201,59 @@ def test_the_driver_is_loaded_once_even_when_it_is_missing():
 def test_this_machine_has_no_cuda_and_says_why():
     error = refusal(Registry(1 << 20).build, spec(index_k(cuda_buf(2))))
     assert "this broker has no CUDA support; use shared_memory (" in error.reason
+
+
+class _Symbol:
+    """One libcuda entry point of `_Lib`: records its calls, succeeds."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        self.name, self.calls = name, calls
+
+    def __call__(self, *args) -> int:
+        self.calls.append(self.name)
+        return 0
+
+
+class _Lib:
+    """A libcuda with every plain and `_v2` symbol the driver might bind."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> _Symbol:
+        if not name.startswith("cu"):
+            raise AttributeError(name)
+        symbol = _Symbol(name, self.calls)
+        setattr(self, name, symbol)
+        return symbol
+
+
+def test_the_driver_calls_the_context_synchronize_that_takes_no_context():
+    # CUDA 13's cuCtxSynchronize_v2 takes a CUcontext; called with none it read garbage, and the
+    # first broker-owned pool on an H200 failed with CUDA_ERROR_CONTEXT_IS_DESTROYED.
+    from kvbroker.memory.cuda import CudaDriver
+
+    lib = _Lib()
+    CudaDriver(lib).allocate(0, 4096)
+    assert "cuCtxSynchronize" in lib.calls and "cuCtxSynchronize_v2" not in lib.calls
+    assert {"cuMemAlloc_v2", "cuMemsetD8_v2", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2"} <= set(lib.calls)
+
+
+def test_nixl_builds_its_agent_with_ucx_asking_the_driver_for_memory_types(monkeypatch):
+    # Imported (server-owned) GPU memory misses UCX's memtype cache and would register as host memory.
+    import kvbroker.backends.nixl as nixl_backend
+
+    monkeypatch.delenv("UCX_MEMTYPE_CACHE", raising=False)
+    seen = []
+    monkeypatch.setattr(nixl_backend, "new_agent", lambda *args: seen.append(os.environ.get("UCX_MEMTYPE_CACHE")))
+    backend = NixlBackend(backend_options(Settings(), "unit"))
+
+    async def run():
+        await backend.start()
+        backend._executor.shutdown(wait=True)
+
+    asyncio.run(run())
+    assert seen == ["n"] and "UCX_MEMTYPE_CACHE" not in os.environ
 
 
 # -- imported allocations ------------------------------------------------------------------------
