@@ -157,13 +157,21 @@ class Posted:
             raise _ended(self.state)
 
 
+# UCX looks a region's memory type up in a cache that its allocation hooks fill, and takes a miss for
+# host memory. A server-owned pool is memory this process only imported (cuIpcOpenMemHandle), never
+# allocated, so it misses, and NIXL refuses to register it as VRAM ("VRAM memory is detected as host
+# by UCX"; seen on an H200, benchmarks/RESULTS.md, GPU check). Without the cache UCX asks the CUDA
+# driver (a pointer-attribute query) where it does not know the type; an operator's own setting wins.
+UCX_MEMORY_TYPES = {"UCX_MEMTYPE_CACHE": "n"}
+
+
 class NixlBackend(Backend):
     name = "nixl"
 
     def __init__(self, options: BackendOptions) -> None:
         self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
-        self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
-            if options.data_ports else {}
+        self._environment = {**UCX_MEMORY_TYPES, **(ports.ucx_environment(options.data_ports, options.advertised_host)
+                                                     if options.data_ports else {})}
         self._agent = None
         self._settle_s = options.transfer_timeout_s  # how long a write past its timeout may still finish
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
@@ -188,7 +196,7 @@ class NixlBackend(Backend):
 
         self._agent, applied = await self._call(create)
         self._remotes.agent = self._agent
-        if self._environment:
+        if set(self._environment) - set(UCX_MEMORY_TYPES):
             log.info("NIXL agent's UCX listeners confined", extra={
                 "applied": applied, "operator_set": sorted(set(self._environment) - set(applied))})
 
