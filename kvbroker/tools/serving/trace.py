@@ -14,6 +14,8 @@ Events, in a request's order:
     client.transfer_part      each part's Transfer call on prefill, begin and end (BrokerClient.transfer_part)
     broker.part               prefill broker: each part written and noticed, begin and end (PartSender.send_part)
     broker.notice             decode broker: part notices taken (Receiver.take_notices)
+    decode.applied            decode's plugin takes a state from its broker (watch or part reply), before
+    prefill.applied           SGLang's poll can see it (KvbrokerKVManager._apply)
     decode.status             decode's receiver: its poll() state, each time it changes (KvbrokerKVReceiver.poll)
 
 `read(dir)` gathers every process's lines, sorted by time.
@@ -92,6 +94,7 @@ def _plugin(module) -> None:
     _wrap(manager, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
           fields=lambda a, k: {"decode_prefix_len": a[1].decode_prefix_len})
     from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import DisaggregationMode
 
     names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
     seen: dict[int, object] = {}
@@ -107,6 +110,16 @@ def _plugin(module) -> None:
         return state
 
     receiver.poll = poll
+
+    applying = manager._apply
+
+    @functools.wraps(applying)
+    def apply(self, room, status):
+        side = "decode" if self.disaggregation_mode == DisaggregationMode.DECODE else "prefill"
+        _emit(f"{side}.applied", room, state=status.state.name)
+        return applying(self, room, status)
+
+    manager._apply = apply
 
 
 def _client(module) -> None:
