@@ -8,7 +8,9 @@ Each deployment is SGLang's router over a prefill and a decode server (tiny Llam
 built locally; kvbroker/tools/serving) started one after another and all kept up; kvbroker's have
 a broker per server. TTFT: the same prompts sent to each deployment in turn, one request at a time
 (so load on the machine falls on all alike), streamed, greedy; the time from sending the request to
-the first streamed token. Requests/s: a batch sent at once to one deployment, then the next. Then,
+the first streamed token, with the other deployments paused (SIGSTOP; `--no-pause-others` keeps them
+running: an idle SGLang scheduler spins on a core, and on 2 cores the idle deployment's two took CPU
+from the measured one). Requests/s: a batch sent at once to one deployment, then the next. Then,
 with the trace on (KVBROKER_SERVING_TRACE, kvbroker/tools/serving/trace.py), a kvbroker request's
 steps as each process logged them, in ms from the router post; and the median of each step over
 every TTFT sample (`timeline_medians`: the trace is on throughout). JSON to --out, a summary on stdout.
@@ -142,10 +144,14 @@ async def run(args: argparse.Namespace) -> dict:
     async with compare.deployments(model, log_dir, labels, prefill_args=setup["args"], decode_args=setup["args"],
                                    env=setup["env"]) as deployments, aiohttp.ClientSession() as http:
         urls = {label: d.url for label, d in deployments.items()}
-        series = await compare.interleaved_ttft(http, urls, prompts, args.tokens)
-        rates = {label: await compare.throughput(http, url, batch, args.tokens) for label, url in urls.items()}
-        timelines = {label: await traced_request(http, urls[label], prompts[0], args.tokens, trace_dir)
-                     for label in labels if label.startswith("kvbroker")}
+        pausing = deployments if args.pause_others else None
+        series = await compare.interleaved_ttft(http, urls, prompts, args.tokens, pausing=pausing)
+        rates, timelines = {}, {}
+        for label, url in urls.items():
+            compare.only(pausing, label)
+            rates[label] = await compare.throughput(http, url, batch, args.tokens)
+            if label.startswith("kvbroker"):
+                timelines[label] = await traced_request(http, url, prompts[0], args.tokens, trace_dir)
     from kvbroker.tools.serving import trace
 
     medians = median_timeline(trace.read(trace_dir), series)
@@ -169,6 +175,7 @@ async def run(args: argparse.Namespace) -> dict:
         "timing": "TTFT: perf_counter from sending POST /generate to the router to the first streamed chunk with "
                   "a token; deployments interleaved request by request, two warm-up requests each first. "
                   "requests/s: the batch sent at once, wall time until the last answer.",
+        "others_paused": args.pause_others,
         "same_tokens_on_every_backend": same,
         "ttft": ttft,
         "ttft_median_ratio_vs_mooncake": ratios,
@@ -191,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32, help="requests sent at once for requests/s")
     parser.add_argument("--model", default="llama", choices=sorted(TARGETS), help="the model the servers serve")
     parser.add_argument("--log-dir")
+    parser.add_argument("--no-pause-others", dest="pause_others", action="store_false",
+                        help="keep every deployment running while one is measured (by default the others are "
+                             "SIGSTOPped: their idle schedulers spin and take the cores)")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
     stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())

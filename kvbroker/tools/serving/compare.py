@@ -3,8 +3,9 @@
 `deployments` starts the PD deployments to compare (SGLang's router, a prefill and a decode server
 each; kvbroker's with a broker per server) one after another, so that their start-ups do not
 compete, and stops them all however the block ends. `interleaved_ttft` sends the same prompts to
-each in turn, one request at a time, so load and noise fall on all alike; `throughput` sends a
-batch at once to each, one deployment at a time.
+each in turn, one request at a time, so load and noise fall on all alike, and with `pausing` the
+deployments not asked are paused meanwhile (`only`); `throughput` sends a batch at once to each,
+one deployment at a time.
 """
 
 from __future__ import annotations
@@ -52,14 +53,27 @@ class Series:
         return statistics.median(self.ttft_s) * 1000
 
 
+def only(deployments: dict[str, stack.PDStack] | None, label: str) -> None:
+    """Resume `label`'s deployment and pause every other (None: leave them all running)."""
+    if deployments is None:
+        return
+    for other, deployment in deployments.items():
+        if other != label:
+            deployment.pause()
+    deployments[label].resume()
+
+
 async def interleaved_ttft(http, urls: dict[str, str], prompts: list[list[int]], tokens: int,
-                           warmup: int = 2) -> dict[str, Series]:
-    for url in urls.values():  # first requests pay for lazy set-up (handshakes, allocations)
+                           warmup: int = 2, *, pausing: dict[str, stack.PDStack] | None = None) -> dict[str, Series]:
+    """`pausing`: the deployments by label; each request then runs with the others paused (`only`)."""
+    for label, url in urls.items():  # first requests pay for lazy set-up (handshakes, allocations)
+        only(pausing, label)
         for prompt in prompts[:warmup]:
             await client.generate(http, url, prompt, tokens)
     series = {label: Series([], []) for label in urls}
     for prompt in prompts:
         for label, url in urls.items():
+            only(pausing, label)
             posted_at = time.time()
             answer = await client.generate(http, url, prompt, tokens)
             series[label].posted_at.append(posted_at)

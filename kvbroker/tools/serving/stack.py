@@ -282,8 +282,26 @@ class PDStack:
             extra |= {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
         return extra
 
+    def pause(self) -> None:
+        """SIGSTOP to every process of the deployment: an idle SGLang scheduler spins on a core, so a
+        deployment not being measured would take CPU from the one that is (2 cores here)."""
+        self._signal_all(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: int) -> None:
+        for server in (self.router, self.prefill, self.decode):
+            if server.alive():
+                server._signal_group(sig)
+        for broker in self.brokers.values():
+            if broker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(broker.pid, sig)
+
     async def stop(self) -> None:
         """Everything, router first; raises ChildDied naming every child that had died unasked."""
+        self.resume()  # a paused process would hold its SIGTERM until the SIGKILL
         ended = [await asyncio.gather(self.router.stop(), return_exceptions=True)]
         ended.append(await asyncio.gather(self.decode.stop(), self.prefill.stop(), return_exceptions=True))
         ended.append(await asyncio.gather(*(b.stop() for b in self.brokers.values()), return_exceptions=True))
