@@ -72,7 +72,7 @@ def step_name(step: dict) -> str:
     name = step["event"]
     if "state" in step:
         name += f" {step['state']}"
-    if step["event"] == "client.transfer_part":
+    if step["event"] in ("client.transfer_part", "prefill.send"):
         name += " (last)" if step.get("last") else " (not last)"
     if "phase" in step:
         name += f" {step['phase']}"
@@ -80,16 +80,15 @@ def step_name(step: dict) -> str:
 
 
 def median_timeline(events: list[dict], series: dict) -> dict:
-    """Every kvbroker TTFT sample's traced steps in ms from its router post, and per step the median
-    over the samples (a step a request takes more than once, a part's, is one row per occurrence).
+    """Every TTFT sample's traced steps (kvbroker's, and mooncake's at the steps it shares) in ms from
+    its router post, and per step the median over the samples (a step a request takes more than
+    once, a part's, is one row per occurrence).
     The samples went one at a time, so a sample's room is the one decode sent metadata for between
     its post and the next."""
     posts = sorted(t for s in series.values() for t in s.posted_at)
     metadata = [e for e in events if e["event"] == "decode.send_metadata"]
     result = {}
     for label, s in series.items():
-        if not label.startswith("kvbroker"):
-            continue
         rows: dict[str, list[float]] = {}
         matched = 0
         for post, ttft in zip(s.posted_at, s.ttft_s):

@@ -27,12 +27,13 @@ def request(room: str, post: float, metadata_ms: float, part_ms: list[float], su
 
 
 def test_each_sample_is_timed_from_its_own_post_and_each_step_is_its_median():
-    # kvbroker samples at 100 s and 300 s, mooncake's (not traced) between them at 200 s
+    # kvbroker samples at 100 s and 300 s, mooncake's (not in this trace) between them at 200 s
     events = request("11", 100.0, 5.0, [20.0, 30.0, 40.0], 50.0) + request("22", 300.0, 7.0, [22.0, 36.0], 60.0)
     series = {"kvbroker-nixl": Series([0.080, 0.100], [[1], [1]], [100.0, 300.0]),
               "mooncake": Series([0.070, 0.090], [[1], [1]], [200.0, 400.0])}
     got = serving.median_timeline(sorted(events, key=lambda e: e["t"]), series)
-    assert list(got) == ["kvbroker-nixl"]
+    assert list(got) == ["kvbroker-nixl", "mooncake"]
+    assert (got["mooncake"]["samples"], got["mooncake"]["traced"]) == (2, 0)
     steps = {s["step"]: (s["median_ms"], s["samples"]) for s in got["kvbroker-nixl"]["steps"]}
     assert got["kvbroker-nixl"]["traced"] == 2
     assert steps["decode.send_metadata"] == (6.0, 2)
@@ -41,6 +42,17 @@ def test_each_sample_is_timed_from_its_own_post_and_each_step_is_its_median():
     assert steps["client.transfer_part (last) begin"] == (38.0, 2)
     assert steps["decode.status Success"] == (55.0, 2)
     assert steps["client.first_token"] == (90.0, 2)
+
+
+def test_mooncake_samples_are_timed_at_the_steps_they_share():
+    events = request("33", 200.0, 4.0, [], 30.0)
+    events.append({"t": 200.012, "pid": 3, "event": "prefill.send", "key": "33", "last": True})
+    series = {"kvbroker-nixl": Series([0.080], [[1]], [100.0]), "mooncake": Series([0.050], [[1]], [200.0])}
+    got = serving.median_timeline(sorted(events, key=lambda e: e["t"]), series)
+    steps = {s["step"]: s["median_ms"] for s in got["mooncake"]["steps"]}
+    assert got["mooncake"]["traced"] == 1 and got["kvbroker-nixl"]["traced"] == 0
+    assert steps == {"decode.send_metadata": 4.0, "prefill.send (last)": 12.0, "decode.status Success": 30.0,
+                     "client.first_token": 50.0}
 
 
 def test_a_sample_whose_room_is_not_in_the_trace_is_left_out():

@@ -11,12 +11,18 @@ Events, in a request's order:
     broker.expect             decode broker: the grant accepted (Receiver.expect)
     broker.offer              prefill broker: decode's offer received (OfferIntake.receive_offer)
     prefill.metadata          prefill's KV manager takes decode's metadata frame (KvbrokerKVManager._on_metadata)
+    prefill.send              SGLang hands prefill's KV manager a chunk to send (add_transfer_request)
     client.transfer_part      each part's Transfer call on prefill, begin and end (BrokerClient.transfer_part)
     broker.part               prefill broker: each part written and noticed, begin and end (PartSender.send_part)
     broker.notice             decode broker: part notices taken (Receiver.take_notices)
     decode.applied            decode's plugin takes a state from its broker (watch or part reply), before
     prefill.applied           SGLang's poll can see it (KvbrokerKVManager._apply)
     decode.status             decode's receiver: its poll() state, each time it changes (KvbrokerKVReceiver.poll)
+
+SGLang's own mooncake backend is traced at the same steps where it has them (decode.send_metadata,
+prefill.metadata as its bootstrap thread parses the frame, prefill.send, prefill.applied and
+decode.applied as its manager's status moves to Transferring, Success or Failed, decode.status), so
+that the two timelines can be read side by side.
 
 `read(dir)` gathers every process's lines, sorted by time.
 """
@@ -97,6 +103,23 @@ def _plugin(module) -> None:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    _wrap(manager, "add_transfer_request", "prefill.send", _arg(1, "bootstrap_room"),
+          fields=lambda a, k: {"last": bool(k["is_last_chunk"] if "is_last_chunk" in k else a[4])})
+    _poll_states(receiver, names)
+
+    applying = manager._apply
+
+    @functools.wraps(applying)
+    def apply(self, room, status):
+        side = "decode" if self.disaggregation_mode == DisaggregationMode.DECODE else "prefill"
+        _emit(f"{side}.applied", room, state=status.state.name)
+        return applying(self, room, status)
+
+    manager._apply = apply
+
+
+def _poll_states(receiver, names: dict) -> None:
+    """decode.status: each change of the receiver's poll() state, as SGLang's scheduler sees it."""
     seen: dict[int, object] = {}
     original = receiver.poll
 
@@ -111,15 +134,36 @@ def _plugin(module) -> None:
 
     receiver.poll = poll
 
-    applying = manager._apply
 
-    @functools.wraps(applying)
-    def apply(self, room, status):
-        side = "decode" if self.disaggregation_mode == DisaggregationMode.DECODE else "prefill"
-        _emit(f"{side}.applied", room, state=status.state.name)
-        return applying(self, room, status)
+def _mooncake(module) -> None:
+    """SGLang's own mooncake backend, at the steps that match the plugin's, so that both timelines read alike."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
 
-    manager._apply = apply
+    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    receiver, manager = module.MooncakeKVReceiver, module.MooncakeKVManager
+    _wrap(receiver, "send_metadata", "decode.send_metadata", lambda a, k: a[0].bootstrap_room)
+    _wrap(manager, "add_transfer_request", "prefill.send", _arg(1, "bootstrap_room"),
+          fields=lambda a, k: {"last": bool(k["is_last_chunk"] if "is_last_chunk" in k else a[4])})
+    _poll_states(receiver, names)
+
+    parse = module.TransferInfo.from_zmq.__func__
+
+    def from_zmq(cls, msg):  # decode's metadata frame, as prefill's bootstrap thread takes it
+        info = parse(cls, msg)
+        _emit("prefill.metadata", info.room)
+        return info
+
+    module.TransferInfo.from_zmq = classmethod(from_zmq)
+    updating = manager.update_status
+
+    @functools.wraps(updating)
+    def update_status(self, bootstrap_room, status):
+        if status in (KVPoll.Transferring, KVPoll.Success, KVPoll.Failed):
+            side = "decode" if self.disaggregation_mode == module.DisaggregationMode.DECODE else "prefill"
+            _emit(f"{side}.applied", bootstrap_room, state=names.get(status, str(status)))
+        return updating(self, bootstrap_room, status)
+
+    manager.update_status = update_status
 
 
 def _client(module) -> None:
@@ -145,6 +189,7 @@ def _broker_sender(module) -> None:
 
 def install() -> None:
     after_import("kvbroker_sglang.conn", _plugin)
+    after_import("sglang.srt.disaggregation.mooncake.conn", _mooncake)
     after_import("kvbroker_client.client", _client)
     after_import("kvbroker.flows.receiver", _broker_receiver)
     after_import("kvbroker.flows.offer_intake", _broker_intake)
