@@ -212,7 +212,8 @@ class _Stream:
         return status
 
     async def _watch(self, command_id: int, request: bpb.WatchTransferRequest) -> None:
-        updates = self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only)
+        updates = await self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only,
+                                           offer_wait_s=request.offer_wait_ms / 1000)
         async with contextlib.aclosing(updates):
             async for status in updates:
                 reply = bpb.ExchangeResponse(command_id=command_id,
@@ -243,7 +244,7 @@ class _Stream:
     async def _state(self, engine_id: str, request_id: str) -> TransferStatus | None:
         """The request's status while it is live; None once it ended or is gone."""
         try:
-            updates = self._broker.watch(engine_id, request_id)
+            updates = await self._broker.watch(engine_id, request_id)
         except BrokerError:
             return None
         async with contextlib.aclosing(updates):

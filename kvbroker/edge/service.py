@@ -68,7 +68,8 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     async def WatchTransfer(self, request, context):
         try:
-            updates = self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only)
+            updates = await self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only,
+                                               offer_wait_s=request.offer_wait_ms / 1000)
         except BrokerError as exc:
             await context.abort(status_code(exc.code), details(exc.reason))
         async with contextlib.aclosing(updates):
@@ -81,7 +82,8 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
 
     @translate_errors
     async def CancelTransfer(self, request, context):
-        status = await self._broker.cancel(request.engine_id, request.request_id, request.reason)
+        status = await self._broker.cancel(request.engine_id, request.request_id, request.reason,
+                                           request.offer_wait_ms / 1000)
         return bpb.CancelTransferResponse(status=convert.status_out(status))
 
     @translate_errors

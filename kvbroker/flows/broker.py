@@ -132,7 +132,7 @@ class Broker:
         for engine in self.registry:
             self.registry.remove(engine.engine_id)
             try:
-                await self._release(engine)
+                await _release(self.backend, engine)
             except BrokerError as exc:  # the other engines are still released
                 log.warning("engine %s: %s", engine.engine_id, exc.reason)
         await self.backend.close()
@@ -155,7 +155,7 @@ class Broker:
                 if session is not None:
                     session.engine_ids.add(spec.engine_id)
             except BaseException:
-                await asyncio.shield(self._release(engine))
+                await asyncio.shield(_release(self.backend, engine))
                 raise
         log.info("engine registered", extra={"engine_id": spec.engine_id, "bytes": engine.registered_bytes,
                                              "session_id": session_id})
@@ -178,17 +178,8 @@ class Broker:
             self.registry.remove(engine_id)
             if (session := self._sessions.find(engine.session_id)) is not None:
                 session.engine_ids.discard(engine_id)
-            await self._release(engine)
+            await _release(self.backend, engine)
         return failed
-
-    async def _release(self, engine: Engine) -> None:
-        if engine.backend_handle is not None:
-            handle, engine.backend_handle = engine.backend_handle, None
-            try:
-                await self.backend.deregister(handle)
-            except TransferFailed as exc:  # the memory stays mapped: the engine may still reach it
-                raise engine_failed(self.backend.name, exc) from exc
-        await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
 
     def open_session(self, holder: str) -> Session:
         """A session to register engines under; `end_session` releases them."""
@@ -275,15 +266,17 @@ class Broker:
             return await self.sender.transfer(cmd, timeout)
         return await self.part_sender.send_part(cmd, timeout)
 
-    def watch(self, engine_id: str, request_id: str, *, states_only: bool = False) -> AsyncIterator[TransferStatus]:
-        self.table.get(engine_id, request_id)  # NOT_FOUND before the stream starts
+    async def watch(self, engine_id: str, request_id: str, *, states_only: bool = False,
+                    offer_wait_s: float = 0.0) -> AsyncIterator[TransferStatus]:
+        """NOT_FOUND before the stream starts, unless the offer lands within `offer_wait_s` (OfferIntake.held)."""
+        await self.offers.held(engine_id, request_id, offer_wait_s)
         return self.table.watch(engine_id, request_id, states_only=states_only)
 
-    async def cancel(self, engine_id: str, request_id: str, reason: str) -> TransferStatus:
-        """Fail a request; returns once its peer has stopped writing into or reading out of it (an
-        offered request: the offer's delivery and the revocation, each bounded by peer_rpc_timeout_s) or
-        its task has ended (a claimed one)."""
-        record = self.table.get(engine_id, request_id)
+    async def cancel(self, engine_id: str, request_id: str, reason: str, offer_wait_s: float = 0.0) -> TransferStatus:
+        """Fail a request (an offer on its way waited for up to `offer_wait_s`); returns once its peer has
+        stopped writing into or reading out of it (an offered request: the offer's delivery and the
+        revocation, each bounded by peer_rpc_timeout_s) or its task has ended (a claimed one)."""
+        record = await self.offers.held(engine_id, request_id, offer_wait_s)
         await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
         await self.receiver.revoked([record], timeout=self.limits.peer_settle_s)
         return record.snapshot()
@@ -300,6 +293,16 @@ class Broker:
                 await asyncio.wait([task], timeout=self.limits.peer_settle_s)
                 return 1
         return int(self.table.fail(record, code, reason))
+
+
+async def _release(backend: Backend, engine: Engine) -> None:
+    if engine.backend_handle is not None:
+        handle, engine.backend_handle = engine.backend_handle, None
+        try:
+            await backend.deregister(handle)
+        except TransferFailed as exc:  # the memory stays mapped: the engine may still reach it
+            raise engine_failed(backend.name, exc) from exc
+    await asyncio.to_thread(engine.release)  # munmap, cuIpcCloseMemHandle, cuMemFree
 
 
 async def _in_thread(fn: Callable[..., T], *args: object, undo: Callable[[T], object]) -> T:

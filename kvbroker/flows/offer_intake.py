@@ -10,6 +10,8 @@ Called by the Broker (the façade):
 - `abort`: the local server cancels (or the engine goes, or the broker drains): the request fails
   (`fail`, the one way an offered request fails here, a failed part's too), and it returns once no
   write runs.
+- `held` (WatchTransfer, CancelTransfer): the engine's record of a request, waiting (bounded) for
+  an offer still on its way: the local server may learn of the request before its offer lands.
 - `end_all`, `close`: the broker stops.
 The parts written into the offers are the PartSender's (part_sender.py), which takes offers from
 `book`, the record each feeds from `record_for` (the other receivers' offers of the request end
@@ -27,7 +29,7 @@ from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.tasks import OwnedTasks
 from kvbroker.core.validation import registered_pages
 from kvbroker.flows.offers import OfferBook, OfferQuota
-from kvbroker.flows.records import Offer, SendRecord
+from kvbroker.flows.records import Offer, SendRecord, TransferRecord
 from kvbroker.flows.registry import Registry
 from kvbroker.flows.transfers import TransferTable
 from kvbroker.peers.link import GrantOffer, PartNotice, PeerLink, PeerSession
@@ -88,6 +90,16 @@ class OfferIntake:
                 self.book.end(held, precondition("offer refused"))
                 raise
         self._tasks.spawn(self._prefetch(held), f"handshake ahead {offer.request_id}")
+
+    async def held(self, engine_id: str, request_id: str, wait_s: float) -> TransferRecord:
+        """The engine's record of the request, waiting up to `wait_s` (at most offer_wait_s) for the
+        receiver's offer naming the engine to land; NOT_FOUND after. A sender may learn of a request
+        before the offer reaches its broker (SGLang: decode's metadata frame travels beside it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(wait_s, self._limits.offer_wait_s)
+        while self._table.find(engine_id, request_id) is None and (left := deadline - loop.time()) > 0:
+            await self.book.arrival(request_id, left)
+        return self._table.get(engine_id, request_id)
 
     def _held_by_rival(self, engine_id: str, request_id: str) -> bool:
         """Whether the engine's live record of the request feeds another receiver's offer (which a

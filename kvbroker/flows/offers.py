@@ -181,18 +181,24 @@ class OfferBook:
                 raise not_found(f"request_id: no offer for request {request_id!r}{whose} reached this broker within "
                                 f"{timeout:.3f}s (offer_wait_s, or the call's deadline); the receiver's "
                                 "ExpectTransfer must name this broker as sender_address")
-            waiter = loop.create_future()
-            self._waiters.setdefault(request_id, set()).add(waiter)
-            try:
-                await asyncio.wait_for(asyncio.shield(waiter), left)
-            except TimeoutError:
-                pass
-            finally:
-                waiters = self._waiters.get(request_id)
-                if waiters is not None:
-                    waiters.discard(waiter)
-                    if not waiters:
-                        del self._waiters[request_id]
+            await self.arrival(request_id, left)
+
+    async def arrival(self, request_id: str, timeout: float) -> None:
+        """Return once an offer for `request_id` is added (or the book closes), or after `timeout`."""
+        if self._closed or timeout <= 0:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(request_id, set()).add(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._waiters.get(request_id)
+            if waiters is not None:
+                waiters.discard(waiter)
+                if not waiters:
+                    del self._waiters[request_id]
 
     def rivals(self, offer: Offer) -> list[Offer]:
         """Other receivers' live offers of the same request that the same engine could have taken."""

@@ -112,6 +112,82 @@ async def test_a_states_only_watch_sends_each_state_once_not_each_part(brokers, 
         await prefill.close()
 
 
+async def test_a_sender_watch_waits_for_the_offer_still_on_its_way(brokers, engines, request_id):
+    """SGLang's decode sends its metadata frame while its offer travels: prefill's watch, sent before
+    the offer reached its broker, waits for it there (offer_wait_ms) and follows it to the end."""
+    src = await engines.make(brokers.prefill, "prefill", seed=24)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    decode, prefill = stream(brokers.decode), stream(brokers.prefill)
+    try:
+        before = dst.segment.array.copy()
+        assert (await refusal(src.stub.WatchTransfer(bpb.WatchTransferRequest(
+            engine_id=src.engine_id, request_id=request_id), timeout=10).read())).code() is grpc.StatusCode.NOT_FOUND
+        await prefill.ping(10)  # the stream is open
+        waiting = prefill.watch(bpb.WatchTransferRequest(engine_id=src.engine_id, request_id=request_id,
+                                                         states_only=True, offer_wait_ms=30_000), 30)
+        first = asyncio.ensure_future(anext(waiting))
+        await asyncio.sleep(0)  # one turn of the loop: the watch is written (or holds the write lock)
+        await prefill.ping(10)  # read after the watch on the same stream: the watch waits at the broker now
+        assert not first.done()
+        await decode.command("expect", offer_request(dst, src, request_id, {MAIN: [7, 8, 9]}), 10)
+        assert (await asyncio.wait_for(first, 30)).state == pb.TRANSFER_STATE_PENDING
+        done = await prefill.command("transfer", part_request(src, request_id, {MAIN: [1, 2, 3]}), 30)
+        assert done.transfer.status.state == pb.TRANSFER_STATE_SUCCEEDED
+        assert [s.state async for s in waiting] == [pb.TRANSFER_STATE_TRANSFERRING, pb.TRANSFER_STATE_SUCCEEDED]
+        assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [1, 2, 3], [7, 8, 9])]))
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_sender_watch_whose_offer_never_comes_is_not_found_after_its_wait(brokers, engines, request_id):
+    src = await engines.make(brokers.prefill, "prefill", seed=25)
+    prefill = stream(brokers.prefill)
+    loop = asyncio.get_running_loop()
+    try:
+        for how in ("call", "stream"):
+            request = bpb.WatchTransferRequest(engine_id=src.engine_id, request_id=request_id, offer_wait_ms=300)
+            started = loop.time()
+            if how == "call":
+                error = await refusal(src.stub.WatchTransfer(request, timeout=10).read())
+                assert error.code() is grpc.StatusCode.NOT_FOUND, how
+            else:
+                with pytest.raises(BrokerError) as info:
+                    await anext(prefill.watch(request, 10))
+                assert info.value.code is grpc.StatusCode.NOT_FOUND, how
+            assert loop.time() - started >= 0.3, how  # it waited for the offer first
+    finally:
+        await prefill.close()
+
+
+async def test_a_sender_cancel_waits_for_the_offer_still_on_its_way_and_cancels_it(brokers, engines, request_id):
+    """Prefill aborts after decode's frame came but maybe before its offer landed: the cancel waits
+    for the offer (offer_wait_ms) and cancels it, so decode learns now, not at its grant's expiry."""
+    src = await engines.make(brokers.prefill, "prefill", seed=26)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    decode = stream(brokers.decode)
+    try:
+        cancelling = asyncio.ensure_future(src.stub.CancelTransfer(bpb.CancelTransferRequest(
+            engine_id=src.engine_id, request_id=request_id, reason="the client went away", offer_wait_ms=30_000),
+            timeout=40))
+        try:
+            await decode.command("expect", offer_request(dst, src, request_id, {MAIN: [7, 8, 9]}), 10)
+        except BrokerError as exc:  # the cancel may end the grant before its ExpectTransfer answers
+            assert exc.code is grpc.StatusCode.CANCELLED, exc
+        assert (await asyncio.wait_for(cancelling, 40)).status.state == pb.TRANSFER_STATE_FAILED
+        seen = [s async for s in decode.watch(bpb.WatchTransferRequest(engine_id=dst.engine_id,
+                                                                       request_id=request_id), 30)]
+        assert seen[-1].state == pb.TRANSFER_STATE_FAILED and "the client went away" in seen[-1].reason
+        assert seen[-1].code == CANCELLED
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        error = await refusal(src.stub.CancelTransfer(bpb.CancelTransferRequest(
+            engine_id=src.engine_id, request_id=request_id + "-never", offer_wait_ms=300), timeout=10))
+        assert error.code() is grpc.StatusCode.NOT_FOUND and loop.time() - started >= 0.3
+    finally:
+        await decode.close()
+
+
 async def test_a_refused_command_gets_the_code_and_message_of_its_unary_call(brokers, engines, request_id):
     src = await engines.make(brokers.prefill, "prefill", components=M3, seed=22)
     dst = await engines.make(brokers.decode, "decode", components=M3, fill="canary")

@@ -133,14 +133,16 @@ class TransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class WatchTransferRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "states_only")
+    __slots__ = ("engine_id", "request_id", "states_only", "offer_wait_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_ONLY_FIELD_NUMBER: _ClassVar[int]
+    OFFER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     states_only: bool
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., states_only: _Optional[bool] = ...) -> None: ...
+    offer_wait_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., states_only: _Optional[bool] = ..., offer_wait_ms: _Optional[int] = ...) -> None: ...
 
 class WatchTransferResponse(_message.Message):
     __slots__ = ("status",)
@@ -149,14 +151,16 @@ class WatchTransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class CancelTransferRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "reason")
+    __slots__ = ("engine_id", "request_id", "reason", "offer_wait_ms")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OFFER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     reason: str
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    offer_wait_ms: int
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., reason: _Optional[str] = ..., offer_wait_ms: _Optional[int] = ...) -> None: ...
 
 class CancelTransferResponse(_message.Message):
     __slots__ = ("status",)
