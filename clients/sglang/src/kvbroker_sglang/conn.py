@@ -9,9 +9,10 @@ peer address and engine id; decode ranks GET /route, push a registration frame a
 a metadata frame over SGLang's ZMQ control socket (`wire`).
 
     decode  KvbrokerKVReceiver.send_metadata -> ExpectTransfer(pages per component, offered to the
-            prefill broker) -> metadata frame -> watch the grant -> aux rows written -> Success
-    prefill metadata frame (decode's offer is on this broker: WaitingForInput) -> watch the offered
-            sender record
+            prefill broker), and meanwhile the metadata frame -> watch the grant -> aux rows written
+            -> Success
+    prefill metadata frame (WaitingForInput) -> watch the offered sender record, waiting at the
+            broker for decode's offer if it has not landed yet
             KvbrokerKVSender.send per chunk -> one Transfer part; the last carries the states and aux
     both    poll() is SGLang's KVPoll from the broker's states; a room that fails is cancelled on the
             broker, and poll() holds it (Transferring) until the broker says no write into its
@@ -332,6 +333,7 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             if self.loop is None or self.client is None:
                 return
             follower = state.task
+            offer_wait_s = self._offer_wait_s(room)
 
             async def cancel() -> None:
                 if follower is not None:
@@ -340,7 +342,7 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
                     await asyncio.wait([state.offering], timeout=self.settings.call_timeout_s)
                 try:
                     status = await self.client.cancel(self.engine_id, str(room), reason[:512],
-                                                      timeout=self.settings.call_timeout_s)
+                                                      timeout=self.settings.call_timeout_s, offer_wait_s=offer_wait_s)
                 except NotFound:
                     if unknown_reason is not None:  # never offered here, or gone: nothing writes into it
                         self.fail(room, unknown_reason)
@@ -355,6 +357,15 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
 
             state.cancel = self.loop.spawn(cancel(), name=f"cancel {room}")
             state.cancel.add_done_callback(lambda _: self._cancelled(room))
+
+    def _offer_wait_s(self, room: int) -> float:
+        """Prefill: how long a cancel waits at the broker for decode's offer. Decode sends its
+        metadata frame while the offer travels, so once the frame came the offer may not have landed
+        yet, and a cancel that found nothing would leave it to its expiry, decode waiting on it."""
+        if self.disaggregation_mode != DisaggregationMode.PREFILL:
+            return 0.0
+        infos = self.transfer_infos.get(room, {})
+        return self.settings.call_timeout_s if any(not i.is_dummy and not i.aux_only for i in infos.values()) else 0.0
 
     def cancel_unfinished(self, room: int) -> None:
         """SGLang clears a room it no longer follows: one that has not ended must not stay writable
@@ -453,9 +464,10 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             self.fail(room, f"kvbroker moves a request from one prefill rank into one decode rank; {len(real)} "
                             "decode ranks asked this rank for it (decode attention TP above prefill's)")
         else:
-            # Decode pushes the frame only once its ExpectTransfer returned, i.e. once this broker took
-            # the offer: WaitingForInput now, not after a watch call's round trip (time to first token).
-            # The watch follows the offer from here; one revoked meanwhile fails the room.
+            # Decode pushes the frame while its offer is on the way to this broker: WaitingForInput
+            # now, not after the offer landed (time to first token). The watch waits for the offer
+            # (offer_wait_s) and follows it from then; parts wait for it too. One that never comes,
+            # or is revoked meanwhile, fails the room.
             self.update_status(room, KVPoll.WaitingForInput)
             state = self.room(room)
             state.task = self.loop.spawn(self._watch_offer(room), name=f"watch {room}")
@@ -478,8 +490,9 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             return
 
         async def cancel() -> None:
-            try:
-                await self.client.cancel(self.engine_id, str(room), reason[:512], timeout=self.settings.call_timeout_s)
+            try:  # the offer may still be on its way: decode sent this frame meanwhile
+                await self.client.cancel(self.engine_id, str(room), reason[:512], timeout=self.settings.call_timeout_s,
+                                         offer_wait_s=self.settings.call_timeout_s)
             except BrokerError as exc:  # NOT_FOUND too: decode withdrew it meanwhile
                 log.info("kvbroker: cancelling the late offer of request %s: %s", room, exc)
 
@@ -608,6 +621,15 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             sender_engine_id=target["kvbroker_engine_id"], expiry_s=self.grant_expiry_s,
             timeout=self.settings.call_timeout_s))
         state.offering.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
+        # The metadata frame goes while the offer is on its way, not after (its round trip was on the
+        # time to first token): prefill's watch and parts wait for the offer at its broker
+        # (offer_wait_s). An offer that fails fails the room here; SGLang then aborts it at prefill.
+        for info, frames in deliveries:
+            try:
+                await asyncio.to_thread(self._push, receiver, info, frames)
+            except zmq.ZMQError as exc:
+                self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
+                return
         try:
             await asyncio.shield(state.offering)
         except BrokerError as exc:
@@ -617,12 +639,6 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             log.exception("kvbroker: offer of request %s", room)
             self.fail(room, f"kvbroker client error: {exc!r}")
             return
-        for info, frames in deliveries:
-            try:
-                await asyncio.to_thread(self._push, receiver, info, frames)
-            except zmq.ZMQError as exc:
-                self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
-                return
         await self._follow(room, sender=False)
 
     @staticmethod
@@ -638,7 +654,8 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             try:
                 # states_only: SGLang's KVPoll follows the state; a message per landed part is not needed
                 async for status in self.client.watch(self.engine_id, str(room), states_only=True,
-                                                      timeout=self.settings.watch_timeout_s):
+                                                      timeout=self.settings.watch_timeout_s,
+                                                      offer_wait_s=self.settings.call_timeout_s if sender else 0.0):
                     self._apply(room, status)
                     if status.state.terminal:
                         return
