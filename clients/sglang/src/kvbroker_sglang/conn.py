@@ -606,13 +606,23 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
     # -- decode: the offer -----------------------------------------------------------------------
     def offer(self, receiver: KvbrokerKVReceiver, target: dict, pages: dict[Component, np.ndarray],
               deliveries: list[tuple[dict, list[bytes]]], aux_index: int | None) -> None:
+        """SGLang's thread (send_metadata): the grant's ExpectTransfer starts on the loop, and the
+        metadata frame goes to prefill from here at once, as upstream sends it, while the offer travels
+        (its round trip was on the time to first token). Prefill's watch, parts and cancel wait for
+        the offer at its broker (offer_wait_s); an offer that fails fails the room, and SGLang then
+        aborts it at prefill."""
         room = receiver.bootstrap_room
         state = self.room(room)
         state.aux_index, state.offered = aux_index, True
-        state.task = self.loop.spawn(self._offer_and_follow(receiver, room, target, pages, deliveries),
-                                     name=f"offer {room}")
+        state.task = self.loop.spawn(self._offer_and_follow(room, target, pages), name=f"offer {room}")
+        for info, frames in deliveries:
+            try:
+                self._push(receiver, info, frames)
+            except zmq.ZMQError as exc:
+                self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
+                return
 
-    async def _offer_and_follow(self, receiver, room: int, target: dict, pages, deliveries) -> None:
+    async def _offer_and_follow(self, room: int, target: dict, pages) -> None:
         state = self.room(room)
         # Shielded: a cancel must not cut the offer short (the broker may have made the grant
         # already); it waits for the call to end, then cancels what the call made.
@@ -621,15 +631,6 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
             sender_engine_id=target["kvbroker_engine_id"], expiry_s=self.grant_expiry_s,
             timeout=self.settings.call_timeout_s))
         state.offering.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
-        # The metadata frame goes while the offer is on its way, not after (its round trip was on the
-        # time to first token): prefill's watch and parts wait for the offer at its broker
-        # (offer_wait_s). An offer that fails fails the room here; SGLang then aborts it at prefill.
-        for info, frames in deliveries:
-            try:
-                await asyncio.to_thread(self._push, receiver, info, frames)
-            except zmq.ZMQError as exc:
-                self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
-                return
         try:
             await asyncio.shield(state.offering)
         except BrokerError as exc:
