@@ -98,7 +98,8 @@ class OfferIntake:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(wait_s, self._limits.offer_wait_s)
         while self._table.find(engine_id, request_id) is None and (left := deadline - loop.time()) > 0:
-            await self.book.arrival(request_id, left)
+            if not await self.book.arrival(request_id, left):
+                break  # the broker stops: no offer will land
         return self._table.get(engine_id, request_id)
 
     def _held_by_rival(self, engine_id: str, request_id: str) -> bool:

@@ -183,10 +183,13 @@ class OfferBook:
                                 "ExpectTransfer must name this broker as sender_address")
             await self.arrival(request_id, left)
 
-    async def arrival(self, request_id: str, timeout: float) -> None:
-        """Return once an offer for `request_id` is added (or the book closes), or after `timeout`."""
-        if self._closed or timeout <= 0:
-            return
+    async def arrival(self, request_id: str, timeout: float) -> bool:
+        """Return once an offer for `request_id` is added, or after `timeout`: True; False at once
+        when the book is closed (nothing will arrive), so that a waiting loop ends."""
+        if self._closed:
+            return False
+        if timeout <= 0:
+            return True
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(request_id, set()).add(waiter)
         try:
@@ -199,6 +202,7 @@ class OfferBook:
                 waiters.discard(waiter)
                 if not waiters:
                     del self._waiters[request_id]
+        return not self._closed
 
     def rivals(self, offer: Offer) -> list[Offer]:
         """Other receivers' live offers of the same request that the same engine could have taken."""

@@ -133,6 +133,20 @@ async def test_the_drain_ends_held_offers_and_tells_each_receiver(domain):
     assert refusal(broker.receive_offer, DECODE, "", 4, lambda max_pages: grant_offer("r3"), 3).code is Code.UNAVAILABLE
 
 
+async def test_a_watch_waiting_for_an_offer_ends_not_found_when_the_broker_stops(domain):
+    broker, _ = domain
+    waiting = asyncio.ensure_future(broker.watch("p0", "r1", offer_wait_s=30))
+    await asyncio.sleep(0)  # it waits in the offer book
+    assert not waiting.done()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    broker.offers.book.close()
+    with pytest.raises(BrokerError) as info:
+        await asyncio.wait_for(waiting, 5)
+    assert info.value.code is Code.NOT_FOUND
+    assert loop.time() - started < 5  # at once: not its offer_wait_s spinning on a closed book, loop blocked
+
+
 async def test_the_broker_info_names_the_peers_its_peer_link_knows(domain):
     broker, _ = domain
     info = broker.info()
