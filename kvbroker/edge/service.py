@@ -14,6 +14,8 @@ from kvbroker.flows.broker import Broker
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
+DEADLINE_MARGIN_S = 0.05  # an offer wait ends this long before the caller's deadline, for the answer to reach it
+
 
 class BrokerServicer(bpb_grpc.BrokerServiceServicer):
     def __init__(self, broker: Broker, unregister_wait_s: float, gate: PeerGate | None = None,
@@ -69,7 +71,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
     async def WatchTransfer(self, request, context):
         try:
             updates = await self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only,
-                                               offer_wait_s=request.offer_wait_ms / 1000)
+                                               offer_wait_s=_offer_wait_s(request.offer_wait_ms, context))
         except BrokerError as exc:
             await context.abort(status_code(exc.code), details(exc.reason))
         async with contextlib.aclosing(updates):
@@ -83,7 +85,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
     @translate_errors
     async def CancelTransfer(self, request, context):
         status = await self._broker.cancel(request.engine_id, request.request_id, request.reason,
-                                           request.offer_wait_ms / 1000)
+                                           _offer_wait_s(request.offer_wait_ms, context))
         return bpb.CancelTransferResponse(status=convert.status_out(status))
 
     @translate_errors
@@ -104,3 +106,10 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
             data_port_unprotected=getattr(self._data_plane, "unprotected", ""),
         )
 
+
+def _offer_wait_s(offer_wait_ms: int, context) -> float:
+    """A request's offer_wait_ms in seconds, ending a little before the caller's deadline: a wait that
+    finds no offer answers NOT_FOUND, not the caller's DEADLINE_EXCEEDED."""
+    remaining = context.time_remaining()
+    wait = offer_wait_ms / 1000
+    return wait if remaining is None else max(0.0, min(wait, remaining - DEADLINE_MARGIN_S))

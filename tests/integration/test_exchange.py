@@ -156,6 +156,10 @@ async def test_a_sender_watch_whose_offer_never_comes_is_not_found_after_its_wai
                     await anext(prefill.watch(request, 10))
                 assert info.value.code is grpc.StatusCode.NOT_FOUND, how
             assert loop.time() - started >= 0.3, how  # it waited for the offer first
+        # a wait past the caller's deadline ends before it: NOT_FOUND, not the caller's DEADLINE_EXCEEDED
+        error = await refusal(src.stub.WatchTransfer(bpb.WatchTransferRequest(
+            engine_id=src.engine_id, request_id=request_id, offer_wait_ms=60_000), timeout=1).read())
+        assert error.code() is grpc.StatusCode.NOT_FOUND, error
     finally:
         await prefill.close()
 

@@ -454,6 +454,7 @@ async def test_fuzz_watch_transfer(world):
         seed = bpb.WatchTransferRequest(engine_id=data.draw(st.sampled_from([w.canary.engine_id, w.src.engine_id])),
                                         request_id=data.draw(st.sampled_from(["r-0", "r-1", "fuzz-pending"])))
         request = mutated(data, seed, w.known, most=2)
+        request.offer_wait_ms = min(request.offer_wait_ms, 50)  # bounded by offer_wait_s; the budget is examples
         call = fuzzer.local[where].WatchTransfer(request, timeout=10)
         try:
             first = next(call).status
@@ -482,8 +483,9 @@ async def test_fuzz_cancel_transfer(world):
         seed = bpb.CancelTransferRequest(
             engine_id=data.draw(st.sampled_from([w.canary.engine_id, w.src.engine_id])),
             request_id=data.draw(st.sampled_from(["r-0", "r-1", "r-2"])), reason=data.draw(ODD))
-        reply, _ = fuzzer.call(fuzzer.local[where].CancelTransfer, mutated(data, seed, w.known, most=2),
-                               "CancelTransfer")
+        request = mutated(data, seed, w.known, most=2)
+        request.offer_wait_ms = min(request.offer_wait_ms, 50)  # bounded by offer_wait_s; the budget is examples
+        reply, _ = fuzzer.call(fuzzer.local[where].CancelTransfer, request, "CancelTransfer")
         if reply is not None:
             assert reply.status.state in TERMINAL
 
