@@ -28,14 +28,14 @@ def pids(stack: PDStack) -> list[int]:
     return [p.pid for p in (stack.prefill, stack.decode, stack.router)] + [stack.decode_child]
 
 
-async def stopped(stack: PDStack, timeout: float = 10.0) -> set[bool]:
-    """Whether each process is stopped, once all agree or `timeout` passed (a signal lands when its
-    target is next scheduled)."""
+async def stopped(stack: PDStack, want: bool, timeout: float = 10.0) -> set[bool]:
+    """Whether each process is stopped, once every one is as `want` says or `timeout` passed (a
+    signal lands when its target is next scheduled: polled, not assumed)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
         seen = {state(pid) == "T" for pid in pids(stack)}
-        if len(seen) == 1 or loop.time() > deadline:
+        if seen == {want} or loop.time() > deadline:
             return seen
         await asyncio.sleep(0.01)
 
@@ -65,12 +65,12 @@ async def deployments(tmp_path):
 async def test_only_pauses_every_process_of_the_other_deployments_and_resumes_the_asked_one(deployments):
     a, b = deployments["a"], deployments["b"]
     compare.only(deployments, "a")
-    assert await stopped(b) == {True}
-    assert await stopped(a) == {False}
+    assert await stopped(b, True) == {True}
+    assert await stopped(a, False) == {False}
 
     compare.only(deployments, "b")
-    assert await stopped(a) == {True}
-    assert await stopped(b) == {False}
+    assert await stopped(a, True) == {True}
+    assert await stopped(b, False) == {False}
 
 
 async def test_a_paused_deployment_still_stops(deployments):
