@@ -170,8 +170,8 @@ class NixlBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
-        self._environment = {**UCX_MEMORY_TYPES, **(ports.ucx_environment(options.data_ports, options.advertised_host)
-                                                     if options.data_ports else {})}
+        self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
+            if options.data_ports else {}
         self._agent = None
         self._settle_s = options.transfer_timeout_s  # how long a write past its timeout may still finish
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
@@ -191,14 +191,15 @@ class NixlBackend(Backend):
             nixl_log.handlers.clear()
             nixl_log.propagate = True
             nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
-            with ports.environment(self._environment) as applied:  # UCX reads it as the agent is built
+            with ports.environment({**UCX_MEMORY_TYPES, **self._environment}) as applied:  # read as the agent is built
                 return new_agent(nixl_agent, nixl_agent_config, self._agent_name), applied
 
         self._agent, applied = await self._call(create)
         self._remotes.agent = self._agent
-        if set(self._environment) - set(UCX_MEMORY_TYPES):
+        if self._environment:
             log.info("NIXL agent's UCX listeners confined", extra={
-                "applied": applied, "operator_set": sorted(set(self._environment) - set(applied))})
+                "applied": {k: v for k, v in applied.items() if k in self._environment},
+                "operator_set": sorted(set(self._environment) - set(applied))})
 
     async def register(self, regions: Sequence[Region]) -> object:
         by_kind: dict[str, list[tuple[int, int, int, str]]] = {}

@@ -94,34 +94,26 @@ def _arg(position: int, name: str):
     return get
 
 
-def _plugin(module) -> None:
-    receiver, manager = module.KvbrokerKVReceiver, module.KvbrokerKVManager
-    _wrap(receiver, "send_metadata", "decode.send_metadata", lambda a, k: a[0].bootstrap_room)
-    _wrap(manager, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
-          fields=lambda a, k: {"decode_prefix_len": a[1].decode_prefix_len})
+def _states() -> dict:
+    """SGLang's KVPoll values by name, for the lines."""
     from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+
+
+def _side(manager) -> str:
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
+    return "decode" if manager.disaggregation_mode == DisaggregationMode.DECODE else "prefill"
+
+
+def _shared_steps(receiver, manager) -> None:
+    """The steps both backends have under the same names: decode.send_metadata, prefill.send and
+    decode.status (each change of the receiver's poll() state, as SGLang's scheduler sees it)."""
+    _wrap(receiver, "send_metadata", "decode.send_metadata", lambda a, k: a[0].bootstrap_room)
     _wrap(manager, "add_transfer_request", "prefill.send", _arg(1, "bootstrap_room"),
           fields=lambda a, k: {"last": bool(k["is_last_chunk"] if "is_last_chunk" in k else a[4])})
-    _poll_states(receiver, names)
-
-    applying = manager._apply
-
-    @functools.wraps(applying)
-    def apply(self, room, status):
-        side = "decode" if self.disaggregation_mode == DisaggregationMode.DECODE else "prefill"
-        _emit(f"{side}.applied", room, state=status.state.name)
-        return applying(self, room, status)
-
-    manager._apply = apply
-
-
-def _poll_states(receiver, names: dict) -> None:
-    """decode.status: each change of the receiver's poll() state, as SGLang's scheduler sees it."""
-    seen: dict[int, object] = {}
-    original = receiver.poll
+    names, seen, original = _states(), {}, receiver.poll
 
     @functools.wraps(original)
     def poll(self):
@@ -135,17 +127,25 @@ def _poll_states(receiver, names: dict) -> None:
     receiver.poll = poll
 
 
+def _plugin(module) -> None:
+    receiver, manager = module.KvbrokerKVReceiver, module.KvbrokerKVManager
+    _shared_steps(receiver, manager)
+    _wrap(manager, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
+          fields=lambda a, k: {"decode_prefix_len": a[1].decode_prefix_len})
+    applying = manager._apply
+
+    @functools.wraps(applying)
+    def apply(self, room, status):
+        _emit(f"{_side(self)}.applied", room, state=status.state.name)
+        return applying(self, room, status)
+
+    manager._apply = apply
+
+
 def _mooncake(module) -> None:
     """SGLang's own mooncake backend, at the steps that match the plugin's, so that both timelines read alike."""
-    from sglang.srt.disaggregation.base.conn import KVPoll
-
-    names = {getattr(KVPoll, n): n for n in ("Failed", "Bootstrapping", "WaitingForInput", "Transferring", "Success")}
     receiver, manager = module.MooncakeKVReceiver, module.MooncakeKVManager
-    _wrap(receiver, "send_metadata", "decode.send_metadata", lambda a, k: a[0].bootstrap_room)
-    _wrap(manager, "add_transfer_request", "prefill.send", _arg(1, "bootstrap_room"),
-          fields=lambda a, k: {"last": bool(k["is_last_chunk"] if "is_last_chunk" in k else a[4])})
-    _poll_states(receiver, names)
-
+    _shared_steps(receiver, manager)
     parse = module.TransferInfo.from_zmq.__func__
 
     def from_zmq(cls, msg):  # decode's metadata frame, as prefill's bootstrap thread takes it
@@ -154,13 +154,13 @@ def _mooncake(module) -> None:
         return info
 
     module.TransferInfo.from_zmq = classmethod(from_zmq)
-    updating = manager.update_status
+    names, updating = _states(), manager.update_status
+    ended = {name for state, name in names.items() if name in ("Transferring", "Success", "Failed")}
 
     @functools.wraps(updating)
     def update_status(self, bootstrap_room, status):
-        if status in (KVPoll.Transferring, KVPoll.Success, KVPoll.Failed):
-            side = "decode" if self.disaggregation_mode == module.DisaggregationMode.DECODE else "prefill"
-            _emit(f"{side}.applied", bootstrap_room, state=names.get(status, str(status)))
+        if names.get(status) in ended:
+            _emit(f"{_side(self)}.applied", bootstrap_room, state=names[status])
         return updating(self, bootstrap_room, status)
 
     manager.update_status = update_status
