@@ -14,7 +14,10 @@ Events, in a request's order:
     prefill.send              SGLang hands prefill's KV manager a chunk to send (add_transfer_request)
     client.transfer_part      each part's Transfer call on prefill, begin and end (BrokerClient.transfer_part)
     broker.part               prefill broker: each part written and noticed, begin and end (PartSender.send_part)
-    broker.notice             decode broker: part notices taken (Receiver.take_notices)
+    broker.notice             decode broker: part notices taken (Receiver.take_notices), begin and end
+    broker.reply              either broker: a status written to its client's Exchange stream (a command's
+                              reply or a watch update), with its state
+    client.reply              either server's client: that status read off its Exchange stream
     decode.applied            decode's plugin takes a state from its broker (watch or part reply), before
     prefill.applied           SGLang's poll can see it (KvbrokerKVManager._apply)
     decode.status             decode's receiver: its poll() state, each time it changes (KvbrokerKVReceiver.poll)
@@ -176,7 +179,41 @@ def _client(module) -> None:
 def _broker_receiver(module) -> None:
     _wrap(module.Receiver, "expect", "broker.expect", lambda a, k: a[1].request_id)
     _wrap(module.Receiver, "take_notices", "broker.notice", lambda a, k: ",".join(n.request_id for n in a[2]),
-          fields=lambda a, k: {"parts": [n.part for n in a[2]]})
+          fields=lambda a, k: {"parts": [n.part for n in a[2]]}, span=True)
+
+
+def _reply_status(reply):
+    """The status an ExchangeResponse carries, or None (a pong, an error)."""
+    kind = reply.WhichOneof("reply")
+    return getattr(reply, kind).status if kind in ("transfer", "expect", "watch") else None
+
+
+def _exchange_server(module) -> None:
+    def key(args, kwargs):
+        status = _reply_status(args[1])
+        return "" if status is None else status.request_id
+
+    def fields(args, kwargs):
+        status, reply = _reply_status(args[1]), args[1]
+        return {"kind": reply.WhichOneof("reply"), "state": None if status is None else status.state}
+
+    _wrap(module._Stream, "_write", "broker.reply", key, fields=fields)
+
+
+def _exchange_client(module) -> None:
+    """Each status read off a client's Exchange stream, as its reader task takes it."""
+    from grpc.aio import _call
+
+    reading = _call.StreamStreamCall.read
+
+    @functools.wraps(reading)
+    async def read(self):
+        message = await reading(self)
+        if isinstance(message, module.bpb.ExchangeResponse) and (status := _reply_status(message)) is not None:
+            _emit("client.reply", status.request_id, kind=message.WhichOneof("reply"), state=status.state)
+        return message
+
+    _call.StreamStreamCall.read = read
 
 
 def _broker_intake(module) -> None:
@@ -194,6 +231,8 @@ def install() -> None:
     after_import("kvbroker.flows.receiver", _broker_receiver)
     after_import("kvbroker.flows.offer_intake", _broker_intake)
     after_import("kvbroker.flows.part_sender", _broker_sender)
+    after_import("kvbroker.edge.exchange", _exchange_server)
+    after_import("kvbroker_client.exchange", _exchange_client)
 
 
 def read(directory: Path) -> list[dict]:
