@@ -606,21 +606,25 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
     # -- decode: the offer -----------------------------------------------------------------------
     def offer(self, receiver: KvbrokerKVReceiver, target: dict, pages: dict[Component, np.ndarray],
               deliveries: list[tuple[dict, list[bytes]]], aux_index: int | None) -> None:
-        """SGLang's thread (send_metadata): the grant's ExpectTransfer starts on the loop, and the
-        metadata frame goes to prefill from here at once, as upstream sends it, while the offer travels
-        (its round trip was on the time to first token). Prefill's watch, parts and cancel wait for
-        the offer at its broker (offer_wait_s); an offer that fails fails the room, and SGLang then
-        aborts it at prefill."""
+        """SGLang's thread (send_metadata): the metadata frame goes to prefill from here, as upstream
+        sends it, and then the grant's ExpectTransfer starts on the loop, travelling while prefill
+        runs its forward (the offer's round trip was on the time to first token). The frame goes
+        first: once the loop thread wakes for the offer it holds the GIL, and the frame would wait
+        for it. Prefill's watch, parts and cancel wait for the offer at its broker (offer_wait_s);
+        an offer that fails fails the room, and SGLang then aborts it at prefill. A frame that
+        cannot be sent fails the room before any offer is made (the abort tells the ranks that got
+        one)."""
         room = receiver.bootstrap_room
         state = self.room(room)
-        state.aux_index, state.offered = aux_index, True
-        state.task = self.loop.spawn(self._offer_and_follow(room, target, pages), name=f"offer {room}")
+        state.aux_index = aux_index
         for info, frames in deliveries:
             try:
                 self._push(receiver, info, frames)
             except zmq.ZMQError as exc:
                 self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
                 return
+        state.offered = True
+        state.task = self.loop.spawn(self._offer_and_follow(room, target, pages), name=f"offer {room}")
 
     async def _offer_and_follow(self, room: int, target: dict, pages) -> None:
         state = self.room(room)
