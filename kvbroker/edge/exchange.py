@@ -213,6 +213,7 @@ class _Stream:
 
     async def _watch(self, command_id: int, request: bpb.WatchTransferRequest) -> None:
         updates = await self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only,
+                                           terminal_only=request.terminal_only,
                                            offer_wait_s=request.offer_wait_ms / 1000)
         async with contextlib.aclosing(updates):
             async for status in updates:

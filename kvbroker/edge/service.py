@@ -71,6 +71,7 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
     async def WatchTransfer(self, request, context):
         try:
             updates = await self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only,
+                                               terminal_only=request.terminal_only,
                                                offer_wait_s=_offer_wait_s(request.offer_wait_ms, context))
         except BrokerError as exc:
             await context.abort(status_code(exc.code), details(exc.reason))

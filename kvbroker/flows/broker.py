@@ -266,11 +266,11 @@ class Broker:
             return await self.sender.transfer(cmd, timeout)
         return await self.part_sender.send_part(cmd, timeout)
 
-    async def watch(self, engine_id: str, request_id: str, *, states_only: bool = False,
+    async def watch(self, engine_id: str, request_id: str, *, states_only: bool = False, terminal_only: bool = False,
                     offer_wait_s: float = 0.0) -> AsyncIterator[TransferStatus]:
         """NOT_FOUND before the stream starts, unless the offer lands within `offer_wait_s` (OfferIntake.held)."""
         await self.offers.held(engine_id, request_id, offer_wait_s)
-        return self.table.watch(engine_id, request_id, states_only=states_only)
+        return self.table.watch(engine_id, request_id, states_only=states_only, terminal_only=terminal_only)
 
     async def cancel(self, engine_id: str, request_id: str, reason: str, offer_wait_s: float = 0.0) -> TransferStatus:
         """Fail a request (an offer on its way waited for up to `offer_wait_s`); returns once its peer has

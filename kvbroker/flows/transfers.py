@@ -284,10 +284,11 @@ class TransferTable:
         self.start(record)
         return Grant(granted, record.claim_token, self.remaining_s(record))
 
-    def watch(self, engine_id: str, request_id: str, *, states_only: bool = False) -> AsyncIterator[TransferStatus]:
+    def watch(self, engine_id: str, request_id: str, *, states_only: bool = False,
+              terminal_only: bool = False) -> AsyncIterator[TransferStatus]:
         """The current state, then every change of state or (unless `states_only`) of the parts
-        landed, to a terminal one."""
-        return _statuses(self.get(engine_id, request_id), states_only)
+        landed, to a terminal one; with `terminal_only`, that terminal one only."""
+        return _statuses(self.get(engine_id, request_id), states_only, terminal_only)
 
 
 class _Fences:
@@ -322,17 +323,19 @@ def _cancel_timer(record: GrantRecord) -> None:
         record.timer = None
 
 
-async def _statuses(record: TransferRecord, states_only: bool) -> AsyncIterator[TransferStatus]:
+async def _statuses(record: TransferRecord, states_only: bool, terminal_only: bool) -> AsyncIterator[TransferStatus]:
     queue: asyncio.Queue[TransferStatus] = asyncio.Queue()
     record.watchers.add(queue)
     try:
         status = record.snapshot()
-        yield status
+        if status.state.terminal or not terminal_only:
+            yield status
         while not status.state.terminal:
             change = await queue.get()
             if change.state is not status.state or (change.parts != status.parts and not states_only):
                 status = change
-                yield status
+                if status.state.terminal or not terminal_only:
+                    yield status
     finally:
         record.watchers.discard(queue)
 

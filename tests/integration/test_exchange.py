@@ -77,35 +77,37 @@ async def test_a_chunked_request_through_the_stream_lands_every_byte_and_its_aux
         await prefill.close()
 
 
-async def test_a_states_only_watch_sends_each_state_once_not_each_part(brokers, engines, request_id):
-    """A request in three parts, watched on the decode broker four ways at once: a plain watch sees
+async def test_a_watch_sends_each_part_each_state_or_only_the_end_as_asked(brokers, engines, request_id):
+    """A request in three parts, watched on the decode broker six ways at once: a plain watch sees
     each part land (PENDING, TRANSFERRING twice, SUCCEEDED); a states_only one, as a call or on the
-    Exchange stream, sees PENDING, TRANSFERRING, SUCCEEDED and the last status whole."""
+    Exchange stream, sees PENDING, TRANSFERRING, SUCCEEDED; a terminal_only one SUCCEEDED alone;
+    each ends with the last status whole. The terminal_only watches are sent first, before the
+    others' first statuses are awaited, so they follow the request from its start."""
     src = await engines.make(brokers.prefill, "prefill", seed=23)
     dst = await engines.make(brokers.decode, "decode", fill="canary")
     decode, prefill = stream(brokers.decode), stream(brokers.prefill)
     PENDING, MOVING, DONE = pb.TRANSFER_STATE_PENDING, pb.TRANSFER_STATE_TRANSFERRING, pb.TRANSFER_STATE_SUCCEEDED
+    ways = {"end": {"terminal_only": True}, "all": {}, "states": {"states_only": True}}  # terminal_only first
+    expected = {"all": [PENDING, MOVING, MOVING, DONE], "states": [PENDING, MOVING, DONE], "end": [DONE]}
     try:
         await decode.command("expect", offer_request(dst, src, request_id, {MAIN: [7, 8, 9]}), 10)
-        calls = {only: dst.stub.WatchTransfer(bpb.WatchTransferRequest(
-            engine_id=dst.engine_id, request_id=request_id, states_only=only), timeout=30) for only in (False, True)}
-        streamed = {only: decode.watch(bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id,
-                                                                states_only=only), 30) for only in (False, True)}
-        seen = {}
-        for key, first in [*((("call", k), c.read()) for k, c in calls.items()),
-                           *((("stream", k), anext(w)) for k, w in streamed.items())]:
-            message = await first  # each watch has begun (its first status is the current one)
-            seen[key] = [message.status if key[0] == "call" else message]
+        watch = {way: bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id, **options)
+                 for way, options in ways.items()}
+        calls = {way: dst.stub.WatchTransfer(request, timeout=30) for way, request in watch.items()}
+        streamed = {way: decode.watch(request, 30) for way, request in watch.items()}
+        seen = {(how, way): [] for how in ("call", "stream") for way in ways}
+        for way in ("all", "states"):  # each of these watches has begun (its first status is the current one)
+            seen[("call", way)].append((await calls[way].read()).status)
+            seen[("stream", way)].append(await anext(streamed[way]))
         for i in range(3):
             await prefill.command("transfer", part_request(src, request_id, {MAIN: [i]}, offsets={MAIN: i},
                                                            last=i == 2), 30)
-        for only, call in calls.items():
-            seen[("call", only)] += await rest(call)
-        for only, watch in streamed.items():
-            seen[("stream", only)] += [s async for s in watch]
-        for (how, only), statuses_seen in seen.items():
-            expected = [PENDING, MOVING, DONE] if only else [PENDING, MOVING, MOVING, DONE]
-            assert [s.state for s in statuses_seen] == expected, (how, only, statuses_seen)
+        for way, call in calls.items():
+            seen[("call", way)] += await rest(call)
+        for way, watching in streamed.items():
+            seen[("stream", way)] += [s async for s in watching]
+        for (how, way), statuses_seen in seen.items():
+            assert [s.state for s in statuses_seen] == expected[way], (how, way, statuses_seen)
             assert statuses_seen[-1].parts == 3 and statuses_seen[-1].pages == 3
     finally:
         await decode.close()

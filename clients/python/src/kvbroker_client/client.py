@@ -380,17 +380,21 @@ class BrokerClient:
         return TransferStatus.from_proto(reply.status)
 
     async def watch(self, engine_id: str, request_id: str, *, timeout: float | None = None,
-                    states_only: bool = False, offer_wait_s: float = 0.0) -> AsyncIterator[TransferStatus]:
+                    states_only: bool = False, terminal_only: bool = False,
+                    offer_wait_s: float = 0.0) -> AsyncIterator[TransferStatus]:
         """The request's current state, then each change; ends after a terminal state. With
         `states_only`, each change of state only, not each part that lands (fewer messages; a
-        broker that does not know the option sends them all). With `offer_wait_s`, a sender's broker
-        that does not hold the request yet waits that long (at most its offer_wait_s) for the
-        receiver's offer naming the engine before NOT_FOUND (a broker before the option answers at once).
+        broker that does not know the option sends them all). With `terminal_only`, the terminal
+        state only, one message (a broker that does not know it sends the others too). With
+        `offer_wait_s`, a sender's broker that does not hold the request yet waits that long (at
+        most its offer_wait_s) for the receiver's offer naming the engine before NOT_FOUND (a broker
+        before the option answers at once).
 
         A stream the broker cuts (it stopped before the request ended) raises Unavailable.
         """
         deadline = self._deadline(timeout, self.transfer_timeout)
         request = bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id, states_only=states_only,
+                                           terminal_only=terminal_only,
                                            offer_wait_ms=max(0, round(offer_wait_s * 1000)))
         if self._exchanged():
             try:

@@ -657,8 +657,12 @@ class KvbrokerKVManager(AuxOnlyRequests, CommonKVManager):
         """Watch the request on this side's broker until it ends, into SGLang's request_status."""
         while room in self.request_status:
             try:
-                # states_only: SGLang's KVPoll follows the state; a message per landed part is not needed
-                async for status in self.client.watch(self.engine_id, str(room), states_only=True,
+                # states_only: SGLang's KVPoll follows the state; a message per landed part is not
+                # needed. On prefill only the end: its queue takes WaitingForInput and Transferring
+                # alike, and each part's reply carries its state, so PENDING and TRANSFERRING would
+                # cost prefill and its broker a message each, the latter while the first part is
+                # written (decode's Transferring tells that a chunk landed, before the last comes).
+                async for status in self.client.watch(self.engine_id, str(room), states_only=True, terminal_only=sender,
                                                       timeout=self.settings.watch_timeout_s,
                                                       offer_wait_s=self.settings.call_timeout_s if sender else 0.0):
                     self._apply(room, status)

@@ -133,16 +133,18 @@ class TransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class WatchTransferRequest(_message.Message):
-    __slots__ = ("engine_id", "request_id", "states_only", "offer_wait_ms")
+    __slots__ = ("engine_id", "request_id", "states_only", "offer_wait_ms", "terminal_only")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATES_ONLY_FIELD_NUMBER: _ClassVar[int]
     OFFER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    TERMINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     request_id: str
     states_only: bool
     offer_wait_ms: int
-    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., states_only: _Optional[bool] = ..., offer_wait_ms: _Optional[int] = ...) -> None: ...
+    terminal_only: bool
+    def __init__(self, engine_id: _Optional[str] = ..., request_id: _Optional[str] = ..., states_only: _Optional[bool] = ..., offer_wait_ms: _Optional[int] = ..., terminal_only: _Optional[bool] = ...) -> None: ...
 
 class WatchTransferResponse(_message.Message):
     __slots__ = ("status",)
