@@ -326,9 +326,10 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",
                    prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                    env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                   timeout: float = START_TIMEOUT_S) -> PDStack:
+                   router_args: Sequence[str] = (), timeout: float = START_TIMEOUT_S) -> PDStack:
     """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router.
-    `env` is both servers' extra environment, `decode_env` decode's alone."""
+    `env` is both servers' extra environment, `decode_env` decode's alone; `router_args` go after
+    start_router's own (a later flag wins)."""
     if transfer not in ("kvbroker", "mooncake"):
         raise ValueError(f"transfer: {transfer!r} is neither 'kvbroker' nor 'mooncake'")
     engine = engine if transfer == "kvbroker" else "mooncake"
@@ -351,7 +352,7 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
         servers.append(decode)
         await asyncio.gather(prefill.wait_ready("/health_generate", timeout),
                              decode.wait_ready("/health_generate", timeout))
-        router = await start_router(prefill, decode, log_dir)
+        router = await start_router(prefill, decode, log_dir, args=router_args)
         half.prefill, half.decode, half.router = prefill, decode, router
         stack = half
         return stack
