@@ -286,8 +286,7 @@ class TransferTable:
 
     def watch(self, engine_id: str, request_id: str, *, states_only: bool = False,
               terminal_only: bool = False) -> AsyncIterator[TransferStatus]:
-        """The current state, then every change of state or (unless `states_only`) of the parts
-        landed, to a terminal one; with `terminal_only`, that terminal one only."""
+        """The current state, then each change of state or (unless `states_only`) parts, to the end; or the end only."""
         return _statuses(self.get(engine_id, request_id), states_only, terminal_only)
 
 
