@@ -34,12 +34,6 @@ import time
 from pathlib import Path
 
 TARGETS = {"llama": 1.2, "minimax": 1.1}  # kvbroker's median TTFT / mooncake's, per model
-# A paused deployment's router is paused with it: the health probe it had in flight reads as timed
-# out when it resumes (the clock ran on), and with start_router's threshold of one failure the router
-# refuses every request until its next probe, the first ones of a throughput batch that followed a
-# pause longer than the probe's 5 s timeout (MiniMax: HTTP 503 "No available prefill workers").
-# Three failures in a row (the router's default) outlast that one probe.
-PAUSED_ROUTER_ARGS = ("--health-failure-threshold", "3")
 
 
 def model_setup(name: str) -> dict:
@@ -147,8 +141,7 @@ async def run(args: argparse.Namespace) -> dict:
     load_before = os.getloadavg()
     started_at, commit = time.time(), _git_commit()
     async with compare.deployments(model, log_dir, labels, prefill_args=setup["args"], decode_args=setup["args"],
-                                   env=setup["env"], router_args=PAUSED_ROUTER_ARGS if args.pause_others else ()
-                                   ) as deployments, aiohttp.ClientSession() as http:
+                                   env=setup["env"]) as deployments, aiohttp.ClientSession() as http:
         urls = {label: d.url for label, d in deployments.items()}
         pausing = deployments if args.pause_others else None
         series = await compare.interleaved_ttft(http, urls, prompts, args.tokens, pausing=pausing)

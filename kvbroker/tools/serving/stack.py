@@ -68,6 +68,9 @@ def server_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
         "PYTHONUNBUFFERED": "1",
+        # /health answers from the HTTP server alone, as a probe every second should; by default it
+        # runs a generation and answers after at least 1 s, past the router's 5 s timeout when busy
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false",
         **(extra or {}),
     }
 
@@ -212,10 +215,11 @@ async def start_router(prefill: ServerProcess, decode: ServerProcess, log_dir: P
                "--prefill", prefill.url, str(prefill.bootstrap_port), "--decode", decode.url,
                "--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--log-level", "info",
-               # a decode server that died and came back is seen within seconds; /health, not
-               # /health_generate, which costs each server a generation every interval
+               # a decode server that died and came back is seen within seconds. /health is a liveness
+               # answer (server_env); three failures in a row, not one: a probe that timed out while
+               # the machine was busy or the router paused takes no server out of rotation
                "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
-               "--health-failure-threshold", "1",
+               "--health-failure-threshold", "3",
                "--health-success-threshold", "1", *args]
     router = await _spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
     await router.wait_ready("/readiness", timeout)  # 200 once it holds healthy prefill and decode workers
