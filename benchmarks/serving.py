@@ -13,7 +13,9 @@ running: an idle SGLang scheduler spins on a core, and on 2 cores the idle deplo
 from the measured one). Requests/s: a batch sent at once to one deployment, then the next. Then,
 with the trace on (KVBROKER_SERVING_TRACE, kvbroker/tools/serving/trace.py), a kvbroker request's
 steps as each process logged them, in ms from the router post; and the median of each step over
-every TTFT sample (`timeline_medians`: the trace is on throughout). JSON to --out, a summary on stdout.
+every TTFT sample (`timeline_medians`: the trace is on throughout), and per sample (`each`) when
+decode waited, saw Success and streamed the first token, and the garbage collections of 2 ms or
+more inside its TTFT, by process. JSON to --out, a summary on stdout.
 The targets (not tests): kvbroker's median TTFT <= 1.2x mooncake's on the Llama shape, <= 1.1x on the
 MiniMax-M3 shape (`--model minimax`: kvbroker/tools/serving/minimax.py, 3 dense + 4 K-only sparse
 layers, whose PD transfer moves three components: sparse KV, index K, dense KV).
@@ -90,22 +92,31 @@ def median_timeline(events: list[dict], series: dict) -> dict:
     result = {}
     for label, s in series.items():
         rows: dict[str, list[float]] = {}
-        matched = 0
+        each = []  # per sample, in order: where its slow ones lost their time
         for post, ttft in zip(s.posted_at, s.ttft_s):
             end = next((t for t in posts if t > post), float("inf"))
             rooms = {e["key"] for e in metadata if post <= e["t"] < end}
             if len(rooms) != 1:
                 continue
-            matched += 1
             seen: dict[str, int] = {}
             steps = timeline(events, post, rooms.pop()) + [{"ms": ttft * 1000, "event": "client.first_token"}]
             for step in sorted(steps, key=lambda x: x["ms"]):
                 name = step_name(step)
                 seen[name] = seen.get(name, 0) + 1
                 rows.setdefault(name if seen[name] == 1 else f"{name} #{seen[name]}", []).append(step["ms"])
+            at = {step_name(step): round(step["ms"], 2) for step in reversed(steps)}  # each step's first time
+            collected = [{"at_ms": round((e["t"] - post) * 1000, 2), "ms": e["ms"], "pid": e["pid"]}
+                         for e in events if e["event"] == "gc" and post <= e["t"] <= post + ttft]
+            decode_pid = next((step["pid"] for step in steps if step["event"] == "decode.status"), None)
+            streamed = [step["ms"] for step in steps if step["event"] == "server.stream_output"
+                        and step["pid"] == decode_pid]
+            each.append({"ttft_ms": round(ttft * 1000, 2), "waiting_ms": at.get("decode.status WaitingForInput"),
+                         "success_ms": at.get("decode.status Success"),
+                         "decode_streamed_ms": round(min(streamed), 2) if streamed else None, "gc": collected})
         medians = sorted(((statistics.median(ms), name, len(ms)) for name, ms in rows.items()))
-        result[label] = {"samples": len(s.posted_at), "traced": matched,
-                         "steps": [{"median_ms": round(m, 2), "step": name, "samples": n} for m, name, n in medians]}
+        result[label] = {"samples": len(s.posted_at), "traced": len(each),
+                         "steps": [{"median_ms": round(m, 2), "step": name, "samples": n} for m, name, n in medians],
+                         "each": each}
     return result
 
 

@@ -21,6 +21,11 @@ Events, in a request's order:
     decode.applied            decode's plugin takes a state from its broker (watch or part reply), before
     prefill.applied           SGLang's poll can see it (KvbrokerKVManager._apply)
     decode.status             decode's receiver: its poll() state, each time it changes (KvbrokerKVReceiver.poll)
+    server.stream_output      either server's scheduler streams the request's first token to its
+                              detokenizer (SchedulerOutputStreamer.stream_output; both backends)
+
+And in every traced process, `gc`: a garbage collection of at least 2 ms (`ms`, `generation`; no key),
+written with the process's next event.
 
 SGLang's own mooncake backend is traced at the same steps where it has them (decode.send_metadata,
 prefill.metadata as its bootstrap thread parses the frame, prefill.send, prefill.applied and
@@ -32,7 +37,9 @@ that the two timelines can be read side by side.
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
 import inspect
 import json
 import os
@@ -55,7 +62,24 @@ def _emit(event: str, key, **fields) -> None:
             directory = Path(os.environ["KVBROKER_SERVING_TRACE"])
             directory.mkdir(parents=True, exist_ok=True)
             _file = open(directory / f"{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115  the process's
+        while _collections:
+            started, ms, generation = _collections.popleft()
+            _file.write(json.dumps({"t": started, "pid": os.getpid(), "event": "gc", "key": "", "ms": ms,
+                                    "generation": generation}) + "\n")
         _file.write(line + "\n")
+
+
+_GC_MS = 2.0  # collections at least this long are events
+_collections: collections.deque = collections.deque(maxlen=1000)
+_gc_started = [0.0]
+
+
+def _gc(phase: str, info: dict) -> None:
+    """A long collection, kept until the next event writes it (a callback that wrote could re-enter _emit)."""
+    if phase == "start":
+        _gc_started[0] = time.time()
+    elif (ms := (time.time() - _gc_started[0]) * 1000) >= _GC_MS:
+        _collections.append((_gc_started[0], round(ms, 2), info.get("generation")))
 
 
 def _wrap(cls, name: str, event: str, key, *, span: bool = False, fields=None) -> None:
@@ -224,7 +248,19 @@ def _broker_sender(module) -> None:
     _wrap(module.PartSender, "send_part", "broker.part", lambda a, k: a[1].request_id, span=True)
 
 
+def _streamer(module) -> None:
+    """Either server's scheduler hands a request's first token to its detokenizer (on decode, the
+    first step after Success); the later steps' calls name no request."""
+    def first(args, kwargs):
+        reqs = kwargs["reqs"] if "reqs" in kwargs else args[1]
+        return ",".join(str(r.bootstrap_room) for r in reqs if len(r.output_ids) <= 1)
+
+    _wrap(module.SchedulerOutputStreamer, "stream_output", "server.stream_output", first)
+
+
 def install() -> None:
+    gc.callbacks.append(_gc)
+    after_import("sglang.srt.managers.scheduler_components.output_streamer", _streamer)
     after_import("kvbroker_sglang.conn", _plugin)
     after_import("sglang.srt.disaggregation.mooncake.conn", _mooncake)
     after_import("kvbroker_client.client", _client)
