@@ -61,3 +61,16 @@ def test_a_sample_whose_room_is_not_in_the_trace_is_left_out():
     got = serving.median_timeline(events, series)["kvbroker-nixl"]
     assert (got["samples"], got["traced"]) == (2, 1)
     assert {s["step"]: s["median_ms"] for s in got["steps"]}["client.first_token"] == 80.0
+
+
+def test_each_sample_says_when_decode_waited_succeeded_and_streamed_and_what_collected_inside_it():
+    events = request("11", 100.0, 5.0, [20.0], 50.0)
+    events += [{"t": 100.003, "pid": 1, "event": "decode.status", "key": "11", "state": "WaitingForInput"},
+               {"t": 100.045, "pid": 2, "event": "server.stream_output", "key": "11,12"},  # prefill's
+               {"t": 100.052, "pid": 1, "event": "server.stream_output", "key": "11"},  # decode's
+               {"t": 100.060, "pid": 4, "event": "gc", "key": "", "ms": 7.5, "generation": 2},
+               {"t": 100.090, "pid": 4, "event": "gc", "key": "", "ms": 9.0, "generation": 2}]  # after its TTFT
+    series = {"kvbroker-nixl": Series([0.080], [[1]], [100.0])}
+    got = serving.median_timeline(sorted(events, key=lambda e: e["t"]), series)["kvbroker-nixl"]
+    assert got["each"] == [{"ttft_ms": 80.0, "waiting_ms": 3.0, "success_ms": 50.0, "decode_streamed_ms": 52.0,
+                            "gc": [{"at_ms": 60.0, "ms": 7.5, "pid": 4}]}]

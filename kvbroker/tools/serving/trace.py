@@ -84,13 +84,15 @@ def _gc(phase: str, info: dict) -> None:
 
 def _wrap(cls, name: str, event: str, key, *, span: bool = False, fields=None) -> None:
     """Wrap `cls.name`: an event at each call (with `span`, one at its begin and one at its end);
-    `key(args, kwargs)` names the request, `fields(args, kwargs)` adds to the line."""
+    `key(args, kwargs)` names the request (None: no event), `fields(args, kwargs)` adds to the line."""
     original = getattr(cls, name)
 
     def note(phase, args, kwargs):
         try:
+            if (request := key(args, kwargs)) is None:
+                return
             extra = fields(args, kwargs) if fields else {}
-            _emit(event, key(args, kwargs), **({"phase": phase} if span else {}), **extra)
+            _emit(event, request, **({"phase": phase} if span else {}), **extra)
         except Exception as exc:  # a trace never breaks the request it watches
             _emit("trace.error", "", where=event, error=repr(exc))
 
@@ -250,10 +252,10 @@ def _broker_sender(module) -> None:
 
 def _streamer(module) -> None:
     """Either server's scheduler hands a request's first token to its detokenizer (on decode, the
-    first step after Success); the later steps' calls name no request."""
+    first step after Success); the later steps' calls are no event."""
     def first(args, kwargs):
         reqs = kwargs["reqs"] if "reqs" in kwargs else args[1]
-        return ",".join(str(r.bootstrap_room) for r in reqs if len(r.output_ids) <= 1)
+        return ",".join(str(r.bootstrap_room) for r in reqs if len(r.output_ids) <= 1) or None
 
     _wrap(module.SchedulerOutputStreamer, "stream_output", "server.stream_output", first)
 
