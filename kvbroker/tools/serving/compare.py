@@ -26,17 +26,15 @@ LABELS = {"kvbroker-nixl": ("kvbroker", "nixl"), "kvbroker-mooncake": ("kvbroker
 
 @contextlib.asynccontextmanager
 async def deployments(model: Path, log_dir: Path, labels: Sequence[str], *, prefill_args: Sequence[str] = (),
-                      decode_args: Sequence[str] = (), env: dict[str, str] | None = None,
-                      router_args: Sequence[str] = ()) -> AsyncIterator[dict[str, stack.PDStack]]:
-    """`env`: both servers' extra environment in every deployment (the MiniMax model's, for one);
-    `router_args`: each router's extra flags."""
+                      decode_args: Sequence[str] = (),
+                      env: dict[str, str] | None = None) -> AsyncIterator[dict[str, stack.PDStack]]:
+    """`env`: both servers' extra environment in every deployment (the MiniMax model's, for one)."""
     started: dict[str, stack.PDStack] = {}
     try:
         for label in labels:
             transfer, engine = LABELS[label]
             started[label] = await stack.start_pd(model, log_dir / label, transfer=transfer, engine=engine,
-                                                  prefill_args=prefill_args, decode_args=decode_args, env=env,
-                                                  router_args=router_args)
+                                                  prefill_args=prefill_args, decode_args=decode_args, env=env)
         yield started
     finally:
         for deployment in started.values():

@@ -330,10 +330,9 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",
                    prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                    env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                   router_args: Sequence[str] = (), timeout: float = START_TIMEOUT_S) -> PDStack:
+                   timeout: float = START_TIMEOUT_S) -> PDStack:
     """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router.
-    `env` is both servers' extra environment, `decode_env` decode's alone; `router_args` go after
-    start_router's own (a later flag wins)."""
+    `env` is both servers' extra environment, `decode_env` decode's alone."""
     if transfer not in ("kvbroker", "mooncake"):
         raise ValueError(f"transfer: {transfer!r} is neither 'kvbroker' nor 'mooncake'")
     engine = engine if transfer == "kvbroker" else "mooncake"
@@ -356,7 +355,7 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
         servers.append(decode)
         await asyncio.gather(prefill.wait_ready("/health_generate", timeout),
                              decode.wait_ready("/health_generate", timeout))
-        router = await start_router(prefill, decode, log_dir, args=router_args)
+        router = await start_router(prefill, decode, log_dir)
         half.prefill, half.decode, half.router = prefill, decode, router
         stack = half
         return stack
