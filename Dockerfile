@@ -30,23 +30,24 @@ ARG FLAVOR
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-# CPU flavor: torch comes from PyTorch's CPU index (constraints/cpu.txt pins the version), else pip
-# would take the multi-GB CUDA build that NIXL's dependency on torch pulls in.
+# The daemon's dependencies exactly as locked (locks/runtime-$FLAVOR.txt, hash-checked, nothing
+# resolved), then the daemon and its client package without theirs. CPU flavor: the lock pins torch's
+# CPU build, which only PyTorch's CPU index serves; NIXL's wheels require a torch.
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY clients/python clients/python
-RUN pip install --no-cache-dir ./clients/python
-COPY pyproject.toml setup.py ./
-COPY constraints constraints
-COPY kvbroker kvbroker
+COPY locks/runtime-cpu.txt locks/runtime-cuda.txt locks/
 RUN case "$FLAVOR" in \
-      cpu) pip install --no-cache-dir -c constraints/cpu.txt --extra-index-url "$TORCH_CPU_INDEX_URL" \
-             "/src[nixl,mooncake-cpu]" ;; \
-      cuda) pip install --no-cache-dir "/src[nixl,mooncake]" ;; \
+      cpu) pip install --no-cache-dir --require-hashes --no-deps --extra-index-url "$TORCH_CPU_INDEX_URL" \
+             -r locks/runtime-cpu.txt ;; \
+      cuda) pip install --no-cache-dir --require-hashes --no-deps -r locks/runtime-cuda.txt ;; \
       *) echo "FLAVOR must be cpu or cuda, not '$FLAVOR'" >&2; exit 1 ;; \
-    esac \
+    esac
+COPY clients/python clients/python
+COPY pyproject.toml setup.py ./
+COPY kvbroker kvbroker
+RUN pip install --no-cache-dir --no-deps --no-build-isolation ./clients/python . \
     && kvbroker serve --help > /dev/null
 
 FROM base AS runtime-cpu

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Installs everything kvbroker needs on a fresh Debian machine with Python 3.11: the Debian
-# library Mooncake's CPU build loads (libibverbs1), a virtualenv in .venv with the client packages
-# (kvbroker_client, kvbroker_sglang), the daemon and both transfer engines (torch pinned to the
-# CPU build), and, with --test, the test tools (pytest & co. from PyPI, buf from npm into .tools/) and
-# SGLang 0.5.23 for tests/sglang: without its own requirements (they pin a CUDA torch), with the pinned
-# list in constraints/sglang-cpu.txt of what its disaggregation modules import. Idempotent: a second
-# run is quick.
+# Installs what kvbroker needs on a fresh Debian machine with Python 3.11, exactly as locked in
+# locks/ (bash scripts/lock.sh moves the locks forward): Debian's libibverbs1, which Mooncake's CPU
+# build loads; a virtualenv in .venv with the daemon, both transfer engines and the client packages
+# (locks/runtime-cpu.txt; torch is the CPU build). With --test, the suite's environment instead:
+# the test tools, the SGLang plugin and SGLang 0.5.23 for tests/sglang and tests/servers
+# (locks/test.txt, and locks/sglang-nodeps.txt, whose packages come without their own requirements),
+# and buf from npm into .tools/. uv installs (scripts/uv.sh bootstraps it). Idempotent: a second run
+# with unchanged locks does nothing, and the test environment serves a run without --test as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-want_tests=0
-[[ "${1:-}" == "--test" ]] && want_tests=1
+mode=runtime
+[[ "${1:-}" == "--test" ]] && mode=test
 
 if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
     if [[ $(id -u) -ne 0 ]]; then
@@ -21,29 +22,26 @@ if ! ldconfig -p | grep -q 'libibverbs\.so\.1'; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
 fi
 
-if [[ ! -x .venv/bin/python ]]; then
-    python3 -m venv .venv
-fi
+locks_of() { if [[ $1 == test ]]; then echo locks/test.txt locks/sglang-nodeps.txt; else echo locks/runtime-cpu.txt; fi; }
+digest() {  # what an environment of mode $1 was installed from
+    # shellcheck disable=SC2046  # lock file names
+    cat $(locks_of "$1") pyproject.toml setup.py kvbroker/memory/_memguard.c clients/python/pyproject.toml \
+        clients/sglang/pyproject.toml | sha256sum | cut -d' ' -f1
+}
 stamp=.venv/.kvbroker-installed
-extras="nixl,mooncake-cpu"
-(( want_tests )) && extras="$extras,test"
-# sglang's own requirements pin torch 2.14.1 (CUDA) and GPU kernels; PyPI's torchvision is a CUDA build
-# that cannot load its ops on CPU torch (tests/sglang/conftest.py says how the suite lives with that).
-sglang_pins="sglang==0.5.23 torchvision==0.28.0"
-inputs=$(cat pyproject.toml setup.py kvbroker/memory/_memguard.c clients/python/pyproject.toml clients/sglang/pyproject.toml \
-    constraints/cpu.txt constraints/sglang-cpu.txt; echo "$extras $sglang_pins")
-if [[ ! -f $stamp ]] || [[ "$(cat "$stamp")" != "$(sha256sum <<<"$inputs" | cut -d' ' -f1)" ]]; then
-    .venv/bin/python -m pip install -q --upgrade pip
-    .venv/bin/python -m pip install -q -c constraints/cpu.txt -e clients/python -e clients/sglang -e ".[$extras]"
-    if (( want_tests )); then
-        .venv/bin/python -m pip install -q -c constraints/cpu.txt -r constraints/sglang-cpu.txt
-        # shellcheck disable=SC2086  # two requirement specifiers
-        .venv/bin/python -m pip install -q --no-deps $sglang_pins
-    fi
-    sha256sum <<<"$inputs" | cut -d' ' -f1 >"$stamp"
+installed=$(cat "$stamp" 2>/dev/null || true)
+if [[ ! -x .venv/bin/python ]] || { [[ $installed != "test $(digest test)" ]] && [[ $installed != "$mode $(digest "$mode")" ]]; }; then
+    [[ -x .venv/bin/python ]] || python3 -m venv .venv
+    rm -f "$stamp"
+    # shellcheck disable=SC2046  # lock file names
+    scripts/uv.sh pip sync --quiet --python .venv/bin/python --require-hashes $(locks_of "$mode")
+    locals=(-e clients/python -e .)
+    [[ $mode == test ]] && locals+=(-e clients/sglang)
+    scripts/uv.sh pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation "${locals[@]}"
+    echo "$mode $(digest "$mode")" >"$stamp"
 fi
 
-if (( want_tests )) && [[ ! -x .tools/node_modules/.bin/buf ]]; then
+if [[ $mode == test ]] && [[ ! -x .tools/node_modules/.bin/buf ]]; then
     mkdir -p .tools
     npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0 >/dev/null
 fi

@@ -54,23 +54,27 @@ def test_flavor_is_a_build_arg_defaulting_to_cpu_that_picks_the_runtime_stage():
     stage_named("runtime-cpu"), stage_named("runtime-cuda")
 
 
-def test_each_flavor_installs_extras_that_pyproject_defines():
+def test_each_flavor_installs_its_lock_compiled_from_the_extras_pyproject_defines():
     extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     build = [i for i in INSTRUCTIONS if i.stage == stage_named("build") and i.keyword == "RUN"]
     install = next(i.args for i in build if "FLAVOR" in i.args)
-    cpu = re.search(r"cpu\)(.*?);;", install).group(1)
-    cuda = re.search(r"cuda\)(.*?);;", install).group(1)
-    assert "-c constraints/cpu.txt" in cpu and "[nixl,mooncake-cpu]" in cpu
-    assert "constraints" not in cuda and "[nixl,mooncake]" in cuda
+    for flavor, extra in (("cpu", "[nixl,mooncake-cpu]"), ("cuda", "[nixl,mooncake]")):
+        command = re.search(rf"{flavor}\)(.*?);;", install).group(1)
+        assert f"-r locks/runtime-{flavor}.txt" in command and "--require-hashes" in command, flavor
+        assert "--no-deps" in command, "a lock is installed as it is: nothing resolved at build time"
+        assert re.search(rf"^-e \.{re.escape(extra)}$", (REPO / "locks" / f"runtime-{flavor}.in").read_text(),
+                         re.MULTILINE), f"locks/runtime-{flavor}.in must compile the daemon with {extra}"
     assert {"nixl", "mooncake-cpu", "mooncake"} <= set(extras)
     assert re.search(r"\*\).*exit 1", install), "an unknown FLAVOR must fail the build"
 
 
-def test_client_package_is_installed_before_the_daemon():
+def test_the_packages_are_installed_after_their_locked_dependencies_and_without_resolving():
     build = [i for i in INSTRUCTIONS if i.stage == stage_named("build") and i.keyword == "RUN"]
-    client = next(n for n, i in enumerate(build) if "./clients/python" in i.args)
-    daemon = next(n for n, i in enumerate(build) if "FLAVOR" in i.args)
-    assert client < daemon
+    locked = next(n for n, i in enumerate(build) if "FLAVOR" in i.args)
+    packages = next(n for n, i in enumerate(build) if "./clients/python" in i.args)
+    assert locked < packages
+    command = build[packages].args
+    assert "--no-deps" in command and command.index("./clients/python") < command.index(" . ")
 
 
 def test_engine_system_libraries_are_installed_for_both_flavors():

@@ -3,7 +3,7 @@
 
 `sglang.srt.disaggregation.utils` imports `sglang.srt.configs`, which imports torchvision.transforms
 (InternVL's image utils). PyPI has torchvision only as CUDA builds: its C ops need libtorch_cuda and
-do not load on the CPU torch of constraints/cpu.txt, and then torchvision's own import stops at
+do not load on the CPU torch of locks/runtime-cpu.txt, and then torchvision's own import stops at
 `register_fake("torchvision::nms")` for an operator nobody defined. Defining the schemas of the two
 operators it registers unconditionally (nms, qnms; the others are guarded by `_has_ops()`) lets the
 real torchvision package import; calling those operators would still fail, and nothing here does.
