@@ -154,19 +154,66 @@ async def test_sigterm_drains_in_flight_transfers_and_refuses_new_ones(pair, eng
     assert_bytes(dst, after)
 
 
-async def test_unregistering_a_receiver_mid_transfer_waits_for_the_write(brokers, engines, request_id):
-    src = await engines.make(brokers.prefill, "prefill", MEDIUM)
-    dst = await engines.make(brokers.decode, "decode", MEDIUM, fill="canary")
+REUSED = 0x5A  # what a server writes into its memory once UnregisterEngine returned
+SAMPLE = 512  # bytes: one of each is read back at the return (a page of MEDIUM's is 32 KiB)
+
+
+async def unregister_mid_transfer(src, dst, request_id):
+    """Start a transfer of the whole MEDIUM request into `dst`, unregister `dst` while it writes, and
+    reuse the memory at once, as a server does. Returns every SAMPLE-th byte of the destination as it
+    was when UnregisterEngine returned (a full copy would take longer than the write) and the sender's
+    reply (or its error); a write after the reuse would show in the reused bytes."""
     ids = np.arange(MEDIUM.request_pages)
-    before = dst.segment.array.copy()
     await grant(dst, request_id, ids)
     sending = asyncio.ensure_future(transfer_call(src, dst, request_id, ids))
     await until_state(dst, request_id, pb.TRANSFER_STATE_TRANSFERRING)
     await dst.stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=dst.engine_id), timeout=60)
-    assert sending.done(), "unregistration returned while the transfer was still writing"
-    reply = await sending  # it finished before the memory was released
-    assert reply.status.state == pb.TRANSFER_STATE_SUCCEEDED
-    assert_bytes(dst, expected_after(src, dst, before, ALL, ids, ids))
+    at_return = dst.segment.array[::SAMPLE].copy()
+    dst.segment.array.fill(REUSED)
+    try:
+        outcome = await asyncio.wait_for(sending, 60)
+    except grpc.aio.AioRpcError as exc:
+        outcome = exc
+    landed_late = np.flatnonzero(dst.segment.array != REUSED)
+    assert landed_late.size == 0, (f"{landed_late.size} bytes landed after UnregisterEngine returned, first at "
+                                   f"offset {landed_late[0]}")
+    return at_return, outcome
+
+
+async def test_unregistering_a_receiver_mid_transfer_waits_for_the_write(brokers, engines, request_id):
+    """The write under way is let finish (unregister_wait_s): all of it landed before UnregisterEngine
+    returned, and nothing after. Which of the two brokers answers its caller first is not promised."""
+    src = await engines.make(brokers.prefill, "prefill", MEDIUM)
+    dst = await engines.make(brokers.decode, "decode", MEDIUM, fill="canary")
+    before = dst.segment.array.copy()
+    at_return, outcome = await unregister_mid_transfer(src, dst, request_id)
+    assert not isinstance(outcome, Exception) and outcome.status.state == pb.TRANSFER_STATE_SUCCEEDED, outcome
+    ids = np.arange(MEDIUM.request_pages)
+    expected = expected_after(src, dst, before, ALL, ids, ids)
+    differ = np.flatnonzero(at_return != expected[::SAMPLE])
+    assert differ.size == 0, f"{differ.size} bytes were not there yet when UnregisterEngine returned"
+
+
+@pytest.fixture
+async def impatient_decode(backend):
+    """A decode broker whose UnregisterEngine does not wait for writes (unregister_wait_s 0)."""
+    broker = await open_broker(f"decode-impatient-{backend}", backend, "--unregister-wait-s", "0")
+    yield broker
+    await close_broker(broker)
+
+
+async def test_unregistering_without_waiting_cuts_the_write_off_before_it_returns(brokers, impatient_decode,
+                                                                                 engines, request_id):
+    """Unregistration releases the memory from the transfer engine before it returns, so a write it did
+    not wait for fails at the sender (ABORTED, the engine's word) and lands nothing afterwards."""
+    src = await engines.make(brokers.prefill, "prefill", MEDIUM)
+    dst = await engines.make(impatient_decode, "decode", MEDIUM, fill="canary")
+    _, outcome = await unregister_mid_transfer(src, dst, request_id)
+    if isinstance(outcome, Exception):  # usual: the write was still under way when the memory went
+        assert outcome.code() == grpc.StatusCode.ABORTED, outcome.details()
+    else:  # the write ended before the unregistration began: it landed before it returned, nothing after
+        assert outcome.status.state == pb.TRANSFER_STATE_SUCCEEDED
+    assert impatient_decode.process.process.returncode is None, "the decode broker died"
 
 
 async def test_cancelling_an_outgoing_transfer_fails_it_on_both_sides(brokers, engines, request_id):
