@@ -41,21 +41,25 @@ class ReceivingRequest(Request):
 
     def grant(self, pages: Mapping[Component, np.ndarray], *, sender_address: str, sender_engine_id: str = "",
               expiry_s: float | None = None, accept_aux: Callable[[bytes], object] | None = None,
-              ) -> concurrent.futures.Future:
-        """Offer the grant to the sender's broker and follow it (a task of the link's loop)."""
+              src_offsets: Mapping[Component, int] | None = None) -> concurrent.futures.Future:
+        """Offer the grant to the sender's broker and follow it (a task of the link's loop).
+        `src_offsets`: per component, the sender's page (by position in its sequence) that lands on
+        the grant's first entry, where the receiver holds the pages before it (its prefix cache)."""
         self.offered = True
         self._accept_aux = accept_aux
-        self._task = self.link.spawn(self._grant_and_follow(dict(pages), sender_address, sender_engine_id, expiry_s),
+        self._task = self.link.spawn(self._grant_and_follow(dict(pages), sender_address, sender_engine_id, expiry_s,
+                                                            dict(src_offsets or {})),
                                      name=f"offer {self.request_id}")
         return self._task
 
     async def _grant_and_follow(self, pages, sender_address: str, sender_engine_id: str,
-                                expiry_s: float | None) -> None:
+                                expiry_s: float | None, src_offsets: dict[Component, int]) -> None:
         # Shielded: a cancel must not cut the call short (the broker may have made the grant
         # already); the cancel waits for it to end, then cancels what it made.
         self._granting = asyncio.ensure_future(self.link.client.expect_transfer(
             self.link.engine_id, self.request_id, pages, sender_address=sender_address,
-            sender_engine_id=sender_engine_id, expiry_s=expiry_s, timeout=self.link.settings.call_timeout_s))
+            sender_engine_id=sender_engine_id, expiry_s=expiry_s, timeout=self.link.settings.call_timeout_s,
+            src_offsets=src_offsets or None))
         self._granting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
         try:
             await asyncio.shield(self._granting)
