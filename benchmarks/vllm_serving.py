@@ -123,7 +123,10 @@ async def run(args: argparse.Namespace) -> dict:
     load_before, started_at = os.getloadavg(), time.time()
     starters = {label: functools.partial(DEPLOYMENTS[label], model, log_dir / label) for label in labels}
     started = time.perf_counter()
-    async with compare.started(starters) as deployments, aiohttp.ClientSession() as http:
+    # A connection per request: a server paused (SIGSTOP) past its keep-alive closes the pooled connection
+    # as it resumes, under the next request (seen: "Server disconnected" from the non-PD server).
+    connections = aiohttp.TCPConnector(force_close=True)
+    async with compare.started(starters) as deployments, aiohttp.ClientSession(connector=connections) as http:
         start_s = round(time.perf_counter() - started, 1)
         urls = {label: d.url for label, d in deployments.items()}
         pausing = deployments if args.pause_others else None
