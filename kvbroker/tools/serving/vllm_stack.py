@@ -35,7 +35,9 @@ from kvbroker.tools.serving import client, stack
 from kvbroker.tools.serving.stack import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[3]
-START_TIMEOUT_S = 300.0  # ~45 s alone; three servers starting at once on 2 busy cores take minutes
+# ~45 s alone on 2 idle cores; one server took over 300 s beside another engineer's SGLang suite (a load
+# average of 10-20), most of it importing vLLM in its three processes one after another.
+START_TIMEOUT_S = 600.0
 ROUTER_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 240.0
 
