@@ -46,8 +46,8 @@ REQUEST_TIMEOUT_S = 240.0
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
               "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
-# --block-size 32: the CPU attention's AMX path wants a multiple of 32, and PD tests want prompts
-# longer than one block. --enforce-eager: no torch.compile (minutes on 2 cores).
+# --block-size 32: CPU_ATTN takes block sizes in multiples of 32 (its AMX path among them), and PD tests
+# want prompts longer than one block. --enforce-eager: no torch.compile (minutes on 2 cores).
 SERVER_FLAGS = ("--host", "127.0.0.1", "--max-model-len", "512", "--dtype", "bfloat16", "--max-num-seqs", "8",
                 "--enforce-eager", "--block-size", "32")
 API_SERVER = "vllm.entrypoints.openai.api_server"  # the `vllm` console script dies: the package is `vllm-cpu`
