@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,14 +162,15 @@ class ServerProcess:
 def _open_log(log_dir: Path, name: str, command: list[str]):
     """The child's log file, appended to (a restarted server continues its log), the command first."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"{name}.log", "ab")  # closed by _spawn once the child holds it
+    log = open(log_dir / f"{name}.log", "ab")  # closed by spawn once the child holds it
     log.write(f"--- {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
     log.flush()
     return log
 
 
-async def _spawn(name: str, command: list[str], env: dict[str, str], log_dir: Path, url: str,
-                 bootstrap_port: int | None = None) -> ServerProcess:
+async def spawn(name: str, command: list[str], env: dict[str, str], log_dir: Path, url: str,
+                bootstrap_port: int | None = None) -> ServerProcess:
+    """A server (or router) as a child in its own session, logging to `log_dir`/`name`.log; not waited for."""
     log = _open_log(log_dir, name, command)
     try:
         # Its own session: stop() and kill() reach SGLang's scheduler and detokenizer through the group.
@@ -197,7 +198,7 @@ async def start_server(name: str, model: Path, log_dir: Path, *, mode: str | Non
         else:
             command += list(DECODE_FLAGS)
     command += list(args)
-    server = await _spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}", bootstrap_port)
+    server = await spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}", bootstrap_port)
     if wait:
         try:
             await server.wait_ready("/health_generate", timeout)
@@ -221,7 +222,7 @@ async def start_router(prefill: ServerProcess, decode: ServerProcess, log_dir: P
                "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
                "--health-failure-threshold", "3",
                "--health-success-threshold", "1", *args]
-    router = await _spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
+    router = await spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
     await router.wait_ready("/readiness", timeout)  # 200 once it holds healthy prefill and decode workers
     return router
 
@@ -295,23 +296,34 @@ class PDStack:
         self._signal_all(signal.SIGCONT)
 
     def _signal_all(self, sig: int) -> None:
-        for server in (self.router, self.prefill, self.decode):
-            if server.alive():
-                server._signal_group(sig)
-        for broker in self.brokers.values():
-            if broker.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(broker.pid, sig)
+        signal_all((self.router, self.prefill, self.decode), self.brokers.values(), sig)
 
     async def stop(self) -> None:
         """Everything, router first; raises ChildDied naming every child that had died unasked."""
         self.resume()  # a paused process would hold its SIGTERM until the SIGKILL
-        ended = [await asyncio.gather(self.router.stop(), return_exceptions=True)]
-        ended.append(await asyncio.gather(self.decode.stop(), self.prefill.stop(), return_exceptions=True))
-        ended.append(await asyncio.gather(*(b.stop() for b in self.brokers.values()), return_exceptions=True))
-        deaths = [str(e) for group in ended for e in group if isinstance(e, BaseException)]
-        if deaths:
-            raise ChildDied("\n".join(deaths))
+        await stop_in_order([self.router], [self.decode, self.prefill], list(self.brokers.values()))
+
+
+def signal_all(servers: Iterable[ServerProcess], brokers: Iterable[BrokerProcess], sig: int) -> None:
+    """`sig` to each live server's process group and each live broker."""
+    for server in servers:
+        if server.alive():
+            server._signal_group(sig)
+    for broker in brokers:
+        if broker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(broker.pid, sig)
+
+
+async def stop_in_order(*groups: Sequence[ServerProcess | BrokerProcess]) -> None:
+    """Stops each group's children together, one group after the other, all of them whatever fails;
+    raises ChildDied naming every child that had died unasked."""
+    deaths = []
+    for group in groups:
+        ended = await asyncio.gather(*(child.stop() for child in group), return_exceptions=True)
+        deaths += [str(e) for e in ended if isinstance(e, BaseException)]
+    if deaths:
+        raise ChildDied("\n".join(deaths))
 
 
 async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | None = None,
