@@ -159,3 +159,63 @@ def test_phases_only_rise_and_the_first_failure_wins_its_code_filled_later():
     done.fail("too late")
     assert done.phase is Phase.SUCCEEDED and done.failure is None
     assert done.cancel("nothing offered") is None and not done.holding
+
+
+@pytest.fixture
+async def impatient_links(brokers_of_test, pools):
+    """As `links`, on brokers of the test's own whose offer wait is short (offer_wait_s 0.3)."""
+    prefill_broker = await brokers_of_test.start("--offer-wait-s", "0.3")
+    decode_broker = await brokers_of_test.start("--offer-wait-s", "0.3")
+    src = pool_engine(pools, unique("core-prefill"), fill="random", seed=8)
+    dst = pool_engine(pools, unique("core-decode"), fill="canary")
+    prefill, decode = await link_for(prefill_broker, src), await link_for(decode_broker, dst)
+    yield src, dst, prefill, decode
+    await asyncio.gather(asyncio.to_thread(prefill.close), asyncio.to_thread(decode.close))
+
+
+def ended_event(request: Request) -> threading.Event:
+    ended = threading.Event()
+    request.when_ended(lambda _: ended.set())
+    return ended
+
+
+async def test_a_sender_that_finished_first_holds_for_an_offer_later_than_the_brokers_wait(impatient_links):
+    """vLLM's order: prefill's one part waits for decode's offer longer than the broker waits for it
+    (watched again until hold_s); decode grants only its uncached suffix (src_offset)."""
+    src, dst, prefill, decode = impatient_links
+    before = dst.pool.bytes.copy()
+    src_ids, held = np.array([2, 3, 4, 5, 6, 7]), 2
+    dst_ids = np.array([11, 12, 13, 14])
+    sent = Phases()
+    sending = SendingRequest(prefill, unique("req"), on_change=sent)
+    sender_ended = ended_event(sending)
+    sending.send_when_offered(Part({Component.MAIN_KV: src_ids}, last=True), hold_s=60)
+    await asyncio.sleep(1.0)  # the offer comes after the broker's own wait (0.3 s) has run out three times
+    assert sending.phase is Phase.OPEN and not sender_ended.is_set()
+    receiving = ReceivingRequest(decode, sending.request_id)
+    receiver_ended = ended_event(receiving)
+    receiving.grant({Component.MAIN_KV: dst_ids}, sender_address=prefill.broker_address,
+                    sender_engine_id=src.engine_id, expiry_s=60, src_offsets={Component.MAIN_KV: held})
+    phases = await asyncio.to_thread(sent.until_terminal)
+    assert phases[0] is Phase.WAITING and phases[-1] is Phase.SUCCEEDED, phases  # (TRANSFERRING, if seen)
+    assert await asyncio.to_thread(sender_ended.wait, SETTLE_S)
+    assert await asyncio.to_thread(receiver_ended.wait, SETTLE_S) and receiving.phase is Phase.SUCCEEDED
+    main_kv = [c for c in dst.components if c.component is Component.MAIN_KV]  # the only component granted
+    expected = expected_destination(src.pool, dst.pool, before, src.components, main_kv, src_ids[held:], dst_ids)
+    assert_pool_equals(dst.pool, expected)
+
+
+async def test_a_sender_whose_hold_ran_out_fails_ends_and_refuses_the_offer_that_comes_then(impatient_links):
+    src, dst, prefill, decode = impatient_links
+    sending = SendingRequest(prefill, unique("req"))
+    sender_ended = ended_event(sending)
+    sending.send_when_offered(Part({Component.MAIN_KV: np.arange(3)}, last=True), hold_s=0.5)
+    assert await asyncio.to_thread(sender_ended.wait, SETTLE_S)
+    assert sending.phase is Phase.FAILED and sending.failure.code is grpc.StatusCode.NOT_FOUND, sending.failure
+    landed = Phases()
+    receiving = ReceivingRequest(decode, sending.request_id, on_change=landed)
+    receiving.grant({Component.MAIN_KV: np.arange(3)}, sender_address=prefill.broker_address,
+                    sender_engine_id=src.engine_id, expiry_s=60)
+    assert (await asyncio.to_thread(landed.until_terminal))[-1] is Phase.FAILED
+    assert receiving.failure.code is grpc.StatusCode.FAILED_PRECONDITION, receiving.failure
+    assert "gave up waiting for the offer" in receiving.failure.reason

@@ -11,6 +11,8 @@ a phase: a watch's status, a call's reply, the cancel's answer.
     holding     a cancel is running and a write may still touch the engine's pages: the engine must
                 not reuse them yet (each role says which writes count)
     when_quiesced(fn)   fn() once nothing writes into the request's pages (wait_quiesced: blocking)
+    when_ended(fn)      fn(request) once it is terminal and its cancel, if any, answered: the engine may
+                        take its pages back (what an engine that polls for finished requests reports)
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class Request:
         self._lock = threading.Lock()
         self._task: concurrent.futures.Future | None = None  # the watch (and, receiving, the offer before it)
         self._cancel: concurrent.futures.Future | None = None
+        self._on_ended: list[Callable[[Request], None]] = []
+        self._ended = False
 
     # -- transitions ----------------------------------------------------------------------------------
     def rise(self, phase: Phase) -> None:
@@ -51,6 +55,7 @@ class Request:
                 return
             self.phase = phase
         self._changed()
+        self._check_ended()
 
     def fail(self, reason: str, code=None) -> None:
         """The request failed (first cause wins; a later code fills one the first cause lacked);
@@ -69,6 +74,7 @@ class Request:
         self._changed()
         if self.offered:
             self.cancel(failure.reason)
+        self._check_ended()
 
     def _changed(self) -> None:
         if self._on_change is not None:
@@ -105,6 +111,8 @@ class Request:
             except DeadlineExceeded:
                 continue  # a long wait (the sender's queue): watch again
             except NotFound:
+                if self.watch_again():
+                    continue
                 self.fail(f"kvbroker NOT_FOUND: this broker has no record of request {self.request_id} ({lost} was "
                           "lost, expired or revoked)", NotFound.code)
                 return
@@ -115,6 +123,10 @@ class Request:
                 log.exception("kvbroker: watch of %s request %s", self.role, self.request_id)
                 self.fail(f"kvbroker client error: {exc!r}")
                 return
+
+    def watch_again(self) -> bool:
+        """Whether a watch that found no record should look again (a sender waiting for an offer)."""
+        return False
 
     # -- ending ----------------------------------------------------------------------------------------
     def cancel(self, reason: str, *, offer_wait_s: float | None = None,
@@ -132,6 +144,7 @@ class Request:
             follower = self._task
             self._cancel = self.link.spawn(self._cancelled(reason, offer_wait_s, unknown_reason, follower),
                                            name=f"cancel {self.request_id}")
+            self._cancel.add_done_callback(lambda _: self._check_ended())
             return self._cancel
 
     def _offer_wait_s(self) -> float:
@@ -149,17 +162,20 @@ class Request:
             status = await self.link.client.cancel(self.link.engine_id, self.request_id, reason[:512],
                                                    timeout=self.link.settings.call_timeout_s,
                                                    offer_wait_s=offer_wait_s)
-        except NotFound:
-            if unknown_reason is not None:  # never offered here, or gone: nothing writes into it
+        except NotFound:  # never offered here, or gone: nothing writes into it
+            if unknown_reason is not None:
                 self.fail(unknown_reason)
+            else:
+                self.fail(f"kvbroker NOT_FOUND: the broker held no record of request {self.request_id} when it was "
+                          f"cancelled ({reason})", NotFound.code)
             return
         except BrokerError as exc:
             log.error("kvbroker: cancelling request %s on the broker failed (%s); its pages are released anyway",
                       self.request_id, exc)
             self._fail(failure_of(exc))
             return
-        if status.state is TransferState.FAILED:
-            self._fail(failure_of(status))
+        if status.state.terminal:  # FAILED, or it had ended before the cancel came
+            self.apply(status)
 
     @property
     def cancelling(self) -> bool:
@@ -171,6 +187,27 @@ class Request:
     def cancelled(self) -> bool:
         """A cancel was started (it may have answered)."""
         return self._cancel is not None
+
+    def when_ended(self, fn: Callable[[Request], None]) -> None:
+        """Call `fn(request)` once, when the request is over on the broker's word: terminal, and its
+        cancel (if one was started) answered. From then on no write touches its pages. On the link's
+        loop, or at once if it is over already."""
+        with self._lock:
+            if not self._ended:
+                self._on_ended.append(fn)
+                return
+        fn(self)
+
+    def _check_ended(self) -> None:
+        with self._lock:
+            if self._ended or not self.phase.terminal or self.cancelling:
+                return
+            self._ended, callbacks, self._on_ended = True, self._on_ended, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - one adapter callback must not keep the others from running
+                log.exception("kvbroker: when_ended of %s request %s", self.role, self.request_id)
 
     def wait_quiesced(self, timeout: float) -> None:
         """Block (an engine thread, never the loop) until the cancel answered; TimeoutError after `timeout`."""

@@ -3,6 +3,8 @@
     request = SendingRequest(link, request_id, on_change=...)
     request.expect_offer()      watch for the receiver's offer and follow the request to its end
                                 (the end only: each part's reply carries the state)
+    request.send_when_offered(part, hold_s)   the sender whose engine finished first (vLLM): wait
+                                for the offer, watched again until `hold_s`, then send `part` at once
     request.send_part(Part(...))    engine thread: one part, sent in the engine's order; `ready`, the
                                 engine's "pages written" wait, runs off the loop first
     request.cancel(reason)      see request.py; once the offer is expected, a sender's cancel waits
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbroker_client.adapter.phases import failure_of
+from kvbroker_client.adapter.phases import Phase, failure_of
 from kvbroker_client.adapter.request import Request
 from kvbroker_client.errors import BrokerError
 from kvbroker_client.model import Component, TransferStatus
@@ -56,6 +58,8 @@ class SendingRequest(Request):
         self.succeeded_at: float | None = None  # time.perf_counter() when SUCCEEDED arrived
         self._order: asyncio.Lock | None = None
         self._offer_expected = False
+        self._when_offered: Part | None = None
+        self._hold_until: float | None = None  # loop time past which a missing offer fails the request
 
     def expect_offer(self) -> concurrent.futures.Future:
         """Follow the request on the broker, waiting there (call_timeout_s) for an offer still on its way."""
@@ -65,6 +69,34 @@ class SendingRequest(Request):
                         lost="the decode broker's offer for it"),
             name=f"watch {self.request_id}")
         return self._task
+
+    def send_when_offered(self, part: Part, hold_s: float) -> concurrent.futures.Future:
+        """Watch (states) for the receiver's offer and send `part` once it landed; an offer still
+        missing after the broker's wait is watched for again, until `hold_s` from now. A part sent
+        before the offer would give up after the broker's offer_wait_s, which may be shorter than the
+        receiver's queue; a watch leaves nothing behind when it ends."""
+        self._offer_expected = True
+        self._when_offered = part
+        self.offered = True  # the offer may land at any moment: a cancel must reach the broker
+
+        async def watch() -> None:
+            self._hold_until = asyncio.get_running_loop().time() + hold_s
+            await self.follow(terminal_only=False, offer_wait_s=self.link.settings.call_timeout_s,
+                              lost="the receiver's offer for it")
+
+        self._task = self.link.spawn(watch(), name=f"watch {self.request_id}")
+        return self._task
+
+    def rise(self, phase: Phase) -> None:
+        super().rise(phase)
+        if self.phase >= Phase.WAITING and not self.phase.terminal and self._when_offered is not None:
+            part, self._when_offered = self._when_offered, None
+            self.send_part(part)
+
+    def watch_again(self) -> bool:
+        if self._hold_until is None or self.phase is not Phase.OPEN:
+            return False
+        return asyncio.get_running_loop().time() < self._hold_until
 
     def send_part(self, part: Part) -> None:
         """Hand one part to the loop; parts reach the broker in the order they were handed over."""
