@@ -44,15 +44,13 @@ if [[ ! -x .venv/bin/python ]] || { [[ $installed != "test $(digest test)" ]] &&
 fi
 
 # vLLM's servers: .venv-vllm, built once per lock (its own stamp).
-vllm_digest() { cat locks/vllm.txt clients/python/pyproject.toml | sha256sum | cut -d' ' -f1; }
+vllm_digest() { cat locks/vllm.txt clients/python/pyproject.toml clients/vllm/pyproject.toml | sha256sum | cut -d' ' -f1; }
 vllm_stamp=.venv-vllm/.kvbroker-installed
 if [[ $mode == test ]] && [[ "$(cat "$vllm_stamp" 2>/dev/null || true)" != "vllm $(vllm_digest)" ]]; then
     [[ -x .venv-vllm/bin/python ]] || python3 -m venv --without-pip .venv-vllm  # uv installs; nothing unlocked in it
     rm -f "$vllm_stamp"
     scripts/uv.sh pip sync --quiet --python .venv-vllm/bin/python --require-hashes locks/vllm.txt
-    vllm_locals=(-e clients/python)
-    # The vLLM connector joins here once it exists: vllm_locals+=(-e clients/vllm), and its
-    # clients/vllm/pyproject.toml joins vllm_digest.
+    vllm_locals=(-e clients/python -e clients/vllm)
     scripts/uv.sh pip install --quiet --python .venv-vllm/bin/python --no-deps --no-build-isolation "${vllm_locals[@]}"
     echo "vllm $(vllm_digest)" >"$vllm_stamp"
 fi

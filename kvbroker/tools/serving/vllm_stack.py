@@ -150,6 +150,22 @@ def nixl_connector() -> Connector:
                      side_channel())
 
 
+def kvbroker_config(role: str, **extra) -> dict:
+    """kvbroker's connector (clients/vllm), loaded by module path; `extra` is its kv_connector_extra_config."""
+    config = {"kv_connector": "KvbrokerConnector", "kv_connector_module_path": "kvbroker_vllm", "kv_role": role}
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def kvbroker_connector(prefill: BrokerProcess, decode: BrokerProcess, *, name: str = "kvbroker", **extra) -> Connector:
+    """kvbroker's connector: each server talks to the broker beside it (KVBROKER_ADDRESS), and the two
+    brokers move the pages; start them first and hand them to `start_pd`."""
+    return Connector(name, kvbroker_config("kv_producer", **extra), kvbroker_config("kv_consumer", **extra),
+                     {"KVBROKER_ADDRESS": prefill.listen, "KVBROKER_ENGINE_PREFIX": "vllm-prefill"},
+                     {"KVBROKER_ADDRESS": decode.listen, "KVBROKER_ENGINE_PREFIX": "vllm-decode"})
+
+
 @dataclass
 class Deployment:
     """One thing requests go to: a lone server, or a router over a PD pair (with the brokers a
