@@ -4,9 +4,10 @@ behind vllm-router, on the same prompts, in one run; and whether the PD answers 
     scripts/in-netns.sh .venv/bin/python benchmarks/vllm_serving.py [--out FILE] [--deployments non-pd,vllm-nixl]
 
 Deployments (`DEPLOYMENTS`, by label): `non-pd`, one vLLM server; `vllm-nixl`, vllm-router over a prefill
-and a decode server with vLLM's own NixlConnector (kvbroker/tools/serving/vllm_stack.py). Another, such
-as kvbroker's connector, is one more entry: a function of the model and a log directory that returns a
-started `vllm_stack.Deployment`. The servers run in .venv-vllm (scripts/setup.sh --test) on the tiny
+and a decode server with vLLM's own NixlConnector; `kvbroker-nixl` and `kvbroker-mooncake`, the same
+with kvbroker's connector (clients/vllm) and a broker per server on that transfer engine
+(kvbroker/tools/serving/vllm_stack.py). Each entry is a function of the model and a log directory
+that returns a started `vllm_stack.Deployment`. The servers run in .venv-vllm (scripts/setup.sh --test) on the tiny
 Llama of kvbroker/tools/serving/models.py (random weights, built locally), bfloat16, block size 32.
 
 Deployments start one after another and stay up; the ones not asked are paused (SIGSTOP;
@@ -42,6 +43,8 @@ Starter = Callable[[Path, Path], Awaitable[vllm_stack.Deployment]]  # (model, lo
 DEPLOYMENTS: dict[str, Starter] = {
     "non-pd": lambda model, log_dir: vllm_stack.start_reference(model, log_dir),
     "vllm-nixl": lambda model, log_dir: vllm_stack.start_pd(model, log_dir, vllm_stack.nixl_connector()),
+    "kvbroker-nixl": lambda model, log_dir: vllm_stack.start_kvbroker_pd(model, log_dir, "nixl"),
+    "kvbroker-mooncake": lambda model, log_dir: vllm_stack.start_kvbroker_pd(model, log_dir, "mooncake"),
 }
 BASELINE = "non-pd"
 # What the servers log when something goes wrong (NixlConnector's words among them:

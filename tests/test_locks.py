@@ -45,7 +45,7 @@ def test_the_suite_runs_in_exactly_what_its_locks_pin():
 
 def test_the_vllm_servers_run_in_exactly_what_their_lock_pins():
     """scripts/setup.sh --test built .venv-vllm from locks/vllm.txt: every package at its locked version,
-    nothing else but kvbroker_client, and none of PyPI's CUDA builds of torchvision, torchaudio or
+    nothing else but kvbroker_client and kvbroker_vllm, and none of PyPI's CUDA builds of torchvision, torchaudio or
     torchcodec, which stop `import vllm` on CPU torch."""
     import json
     import subprocess
@@ -58,8 +58,8 @@ def test_the_vllm_servers_run_in_exactly_what_their_lock_pins():
     ran = subprocess.run([str(ROOT / ".venv-vllm/bin/python"), "-c", listing], capture_output=True, text=True,
                          timeout=60, check=True)
     installed = {normal(n): v for n, v in json.loads(ran.stdout).items()}
-    assert {n: v for n, v in installed.items() if n != "kvbroker-client"} == locked
-    assert "kvbroker-client" in installed
+    assert {n: v for n, v in installed.items() if n not in ("kvbroker-client", "kvbroker-vllm")} == locked
+    assert {"kvbroker-client", "kvbroker-vllm"} <= set(installed)
 
 
 def test_the_test_lock_agrees_with_the_runtime_lock():

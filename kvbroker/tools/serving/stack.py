@@ -342,18 +342,20 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",
                    prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                    env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                   timeout: float = START_TIMEOUT_S) -> PDStack:
+                   timeout: float = START_TIMEOUT_S, brokers: dict[str, BrokerProcess] | None = None) -> PDStack:
     """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router.
-    `env` is both servers' extra environment, `decode_env` decode's alone."""
+    `env` is both servers' extra environment, `decode_env` decode's alone. `brokers` ("prefill",
+    "decode"), started by the caller, serve instead of new ones (several deployments on one broker
+    pair) and are the stack's from here on: stopped with it, or here if it fails."""
     if transfer not in ("kvbroker", "mooncake"):
         raise ValueError(f"transfer: {transfer!r} is neither 'kvbroker' nor 'mooncake'")
     engine = engine if transfer == "kvbroker" else "mooncake"
-    brokers: dict[str, BrokerProcess] = {}
+    brokers = dict(brokers or {})
     servers: list[ServerProcess] = []
     stack = None
     log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240  a local directory, at once
     try:
-        if transfer == "kvbroker":
+        if transfer == "kvbroker" and not brokers:
             pair = await asyncio.gather(_start_broker("prefill", engine, log_dir),
                                         _start_broker("decode", engine, log_dir))
             brokers = dict(zip(("prefill", "decode"), pair))

@@ -6,8 +6,8 @@ tests, the demo and benchmarks/vllm_serving.py.
 - `start_router`: `vllm-router --vllm-pd-disaggregation` over a prefill and a decode server.
 - `start_reference` and `start_pd` give a `Deployment`: where requests go, every process it holds, and
   `pause`, `resume`, `stop`. A PD deployment's transfer is a `Connector` (each side's kv-transfer-config
-  and environment): `nixl_connector()` is vLLM's own NixlConnector; another connector, kvbroker's,
-  is one more `Connector`, with the brokers it needs handed to `start_pd` to be stopped with it.
+  and environment): `nixl_connector()` is vLLM's own NixlConnector; `kvbroker_connector()` is
+  kvbroker's (clients/vllm), and `start_kvbroker_pd` starts it with a broker per server.
 - `complete` asks `/v1/completions` (greedy, streamed, token ids) and returns a `client.Answer`;
   `prompt_token_sources` reads from a server's `/metrics` where its prompt tokens came from
   (`external_kv_transfer`: decode received them from prefill).
@@ -164,6 +164,19 @@ def kvbroker_connector(prefill: BrokerProcess, decode: BrokerProcess, *, name: s
     return Connector(name, kvbroker_config("kv_producer", **extra), kvbroker_config("kv_consumer", **extra),
                      {"KVBROKER_ADDRESS": prefill.listen, "KVBROKER_ENGINE_PREFIX": "vllm-prefill"},
                      {"KVBROKER_ADDRESS": decode.listen, "KVBROKER_ENGINE_PREFIX": "vllm-decode"})
+
+
+async def start_kvbroker_pd(model: Path, log_dir: Path, backend: str = "nixl", *, args: Sequence[str] = (),
+                            timeout: float = START_TIMEOUT_S, **extra) -> Deployment:
+    """A broker per server (transfer engine `backend`), then a PD pair with kvbroker's connector
+    (`extra`: its kv_connector_extra_config) behind vLLM's router; the brokers are the deployment's."""
+    from kvbroker.tools.launch import start_broker, start_brokers
+
+    prefill, decode = await start_brokers(start_broker(f"vllm-prefill-{backend}", "--backend", backend),
+                                          start_broker(f"vllm-decode-{backend}", "--backend", backend))
+    connector = kvbroker_connector(prefill, decode, name=f"kvbroker-{backend}", **extra)
+    return await start_pd(model, log_dir, connector, args=args, timeout=timeout,
+                          brokers={"prefill": prefill, "decode": decode})
 
 
 @dataclass

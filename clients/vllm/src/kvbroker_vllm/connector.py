@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
 from kvbroker_client.adapter import AdapterSettings
 from kvbroker_vllm.scheduler import SchedulerSide
-from kvbroker_vllm.vllm_0_32 import KVConnectorBase_V1, KVConnectorRole, check_version
+from kvbroker_vllm.vllm_0_32 import check_version
 from kvbroker_vllm.worker import WorkerSide
 
 

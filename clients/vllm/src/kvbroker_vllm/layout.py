@@ -8,7 +8,7 @@ whose page id is vLLM's block id and whose item length is the layer's page size:
     MINIMAX_INDEX_K   MiniMax-M3's index K caches (an MLA spec with the indexer's role), sharing the
                       main KV's block ids: one block table for both
 
-    engine_components(kv_caches, specs, refs)   the components, layer buffers on `refs` (MemoryExporter.refs)
+    engine_components(kv_caches, specs, num_blocks, refs)   the components, layer buffers on `refs`
     engine_topology(components, specs, ...)     page size (block size), layers, dtype, ranks
 """
 
@@ -41,24 +41,28 @@ def component_of(spec) -> Component:
     return Component.MINIMAX_INDEX_K if is_index_k(spec) else Component.MAIN_KV
 
 
-def _page(name: str, tensor, spec) -> tuple[int, int, int]:
-    """(address, length, item length) of one layer's cache: its pages, block after block."""
-    if tensor.dim() < 2:
-        raise LayoutError(f"KV cache layer {name!r}: a tensor of {tensor.dim()} dimensions, not [blocks, ...]")
-    item_len = tensor.stride(0) * tensor.element_size()
-    page_bytes = tensor[0].numel() * tensor.element_size()
-    if not tensor[0].is_contiguous() or page_bytes != item_len:
-        raise LayoutError(f"KV cache layer {name!r}: a block is not one contiguous run (stride {tensor.stride()}, "
-                          f"{page_bytes} bytes per block); kvbroker moves a layer's block as one page")
+def _page(name: str, tensor, spec, num_blocks: int) -> tuple[int, int, int]:
+    """(address, length, item length) of one layer's cache: its pages, vLLM block after block. A
+    kernel that splits each block into `ratio` kernel blocks sees `ratio * num_blocks` rows; a block
+    is then `ratio` consecutive rows, one page as long as they are dense."""
+    if tensor.dim() < 2 or tensor.shape[0] % num_blocks:
+        raise LayoutError(f"KV cache layer {name!r}: shape {tuple(tensor.shape)} is not [k * {num_blocks} blocks, ...]")
+    ratio = tensor.shape[0] // num_blocks
+    row = tensor.stride(0) * tensor.element_size()
+    if not tensor[0].is_contiguous() or tensor[0].numel() * tensor.element_size() != row:
+        raise LayoutError(f"KV cache layer {name!r}: a block is not one contiguous run (stride {tensor.stride()}); "
+                          "kvbroker moves a layer's block as one page")
+    item_len = row * ratio
     if spec is not None and getattr(spec, "page_size_bytes", item_len) != item_len:
         raise LayoutError(f"KV cache layer {name!r}: {item_len} bytes per block in the tensor, "
                           f"{spec.page_size_bytes} in its spec")
-    return tensor.data_ptr(), tensor.shape[0] * item_len, item_len
+    return tensor.data_ptr(), num_blocks * item_len, item_len
 
 
-def engine_components(kv_caches: Mapping[str, object], specs: Mapping[str, object], refs: RefsFn
+def engine_components(kv_caches: Mapping[str, object], specs: Mapping[str, object], num_blocks: int, refs: RefsFn
                       ) -> list[ComponentSpec]:
-    """MAIN_KV (and MINIMAX_INDEX_K where there are index caches), one FLAT buffer per layer in layer order."""
+    """MAIN_KV (and MINIMAX_INDEX_K where there are index caches), one FLAT buffer per layer in layer
+    order, `num_blocks` (vLLM's block count) pages each."""
     by_component: dict[Component, list[tuple[int, str]]] = {}
     for name in kv_caches:
         by_component.setdefault(component_of(specs.get(name)), []).append((layer_id(name), name))
@@ -69,7 +73,7 @@ def engine_components(kv_caches: Mapping[str, object], specs: Mapping[str, objec
             continue
         if len({lid for lid, _ in layers}) != len(layers):
             raise LayoutError(f"{component.name}: two KV cache layers with one layer id: {[n for _, n in layers]}")
-        pages = [_page(name, kv_caches[name], specs.get(name)) for _, name in layers]
+        pages = [_page(name, kv_caches[name], specs.get(name), num_blocks) for _, name in layers]
         memory = refs([a for a, _, _ in pages], [n for _, n, _ in pages], f"{component.name} KV caches")
         buffers = tuple(LayerBuffer(lid, BufferRole.FLAT, ref, length, item)
                         for (lid, _), ref, (_, length, item) in zip(layers, memory, pages))

