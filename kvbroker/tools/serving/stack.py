@@ -51,6 +51,40 @@ PEER_RPC_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0  # tens of seconds alone; several servers starting on 2 busy cores take minutes
 
 
+def shm_files_of_group(pgid: int) -> set[Path]:
+    """The /dev/shm files that the processes of group `pgid` map or hold open.
+
+    A server killed with SIGKILL (a crash test, or a stop past its timeout) leaves its segments behind:
+    vLLM's and SGLang's queues, and its whole KV cache where an adapter moved it into /dev/shm (a GiB a
+    server). On a 24 GiB machine a suite's worth of them fills memory, so whoever kills a server
+    unlinks them once it is dead (a broker that still maps one keeps its mapping until it lets go).
+    """
+    held: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:  # field 5, pgrp, after "pid (comm) state ppid"
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
+                    held.add(Path(fields[5]))
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/") and not target.endswith(" (deleted)"):
+                        held.add(Path(target))
+    return held
+
+
+def unlink_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,10 +150,11 @@ class ServerProcess:
             os.killpg(self.pid, sig)
 
     async def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM to its process group (SGLang drains and ends its children), SIGKILL after `timeout`.
-        Raises ChildDied when it had died unasked before."""
+        """SIGTERM to its process group (SGLang drains and ends its children), SIGKILL after `timeout`;
+        then the /dev/shm files the group held are unlinked. Raises ChildDied when it had died unasked before."""
         died_before = self.process.returncode is not None and not self._asked
         self._asked = True
+        held = shm_files_of_group(self.pid)
         if self.process.returncode is None:
             self._signal_group(signal.SIGTERM)
             try:
@@ -128,15 +163,20 @@ class ServerProcess:
                 pass
         self._signal_group(signal.SIGKILL)  # its scheduler and detokenizer too, whatever the leader did
         code = await self.process.wait()
+        unlink_all(held)
         if died_before:
             raise ChildDied(self.exit_report("before it was stopped"))
         return code
 
     async def kill(self) -> int:
-        """SIGKILL to the whole group at once: a crash, as the failure tests want it."""
+        """SIGKILL to the whole group at once: a crash, as the failure tests want it; then the /dev/shm
+        files the group held are unlinked, as the dead processes can no longer do."""
         self._asked = True
+        held = shm_files_of_group(self.pid)
         self._signal_group(signal.SIGKILL)
-        return await self.process.wait()
+        code = await self.process.wait()
+        unlink_all(held)
+        return code
 
     async def wait_ready(self, path: str, timeout: float) -> None:
         """Until GET `path` answers 200; ChildDied if it exits first, TimeoutError (it is then killed)."""
