@@ -154,7 +154,7 @@ class ServerProcess:
         then the /dev/shm files the group held are unlinked. Raises ChildDied when it had died unasked before."""
         died_before = self.process.returncode is not None and not self._asked
         self._asked = True
-        held = shm_files_of_group(self.pid)
+        held = await asyncio.to_thread(shm_files_of_group, self.pid)
         if self.process.returncode is None:
             self._signal_group(signal.SIGTERM)
             try:
@@ -163,7 +163,7 @@ class ServerProcess:
                 pass
         self._signal_group(signal.SIGKILL)  # its scheduler and detokenizer too, whatever the leader did
         code = await self.process.wait()
-        unlink_all(held)
+        await asyncio.to_thread(unlink_all, held)
         if died_before:
             raise ChildDied(self.exit_report("before it was stopped"))
         return code
@@ -172,10 +172,10 @@ class ServerProcess:
         """SIGKILL to the whole group at once: a crash, as the failure tests want it; then the /dev/shm
         files the group held are unlinked, as the dead processes can no longer do."""
         self._asked = True
-        held = shm_files_of_group(self.pid)
+        held = await asyncio.to_thread(shm_files_of_group, self.pid)
         self._signal_group(signal.SIGKILL)
         code = await self.process.wait()
-        unlink_all(held)
+        await asyncio.to_thread(unlink_all, held)
         return code
 
     async def wait_ready(self, path: str, timeout: float) -> None:
