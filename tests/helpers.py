@@ -4,6 +4,7 @@
 - `peer_service`: a PeerService of the test's own, served on loopback;
 - a process seen from outside: `listeners` (its listening ports), `scrape` (a broker's /metrics
   summed per name), `kvbroker` (the CLI run in a child process);
+- `until`: poll an async condition, bounded, for states no event announces (what a broker or server holds);
 - `descriptor_rows`: descriptor rows (address, length, device) for a Backend's write, without the planner.
 
 Test modules import from here (and from tests/integration/flows.py and the other non-test modules
@@ -105,3 +106,15 @@ def descriptor_rows(base: int, offsets, length: int) -> np.ndarray:
     out[:, 0] = base + np.asarray(offsets, dtype=np.uint64)
     out[:, 1] = length
     return out
+
+
+async def until(condition, timeout: float = 60.0, interval: float = 0.1):
+    """Poll an async `condition` until it is truthy or `timeout` passes; its last value. For states
+    no event announces (what a broker holds, a server's queue)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        held = await condition()
+        if held or loop.time() > deadline:
+            return held
+        await asyncio.sleep(interval)

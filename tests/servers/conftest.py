@@ -20,6 +20,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.tools.serving import client, models, stack
+from tests.helpers import until
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -94,18 +95,6 @@ async def reference(model, log_root, http) -> AsyncIterator[Reference]:
 async def start_stack(model: Path, log_dir: Path, engine: str) -> stack.PDStack:
     return await stack.start_pd(model, log_dir, transfer="kvbroker", engine=engine, prefill_args=PREFILL_ARGS,
                                 decode_args=DECODE_ARGS, env=SERVER_ENV)
-
-
-async def until(condition, timeout: float = 60.0, interval: float = 0.1):
-    """Poll an async `condition` until it is truthy or `timeout` passes; its last value. For states
-    no event announces (what a broker holds, a server's queue)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        held = await condition()
-        if held or loop.time() > deadline:
-            return held
-        await asyncio.sleep(interval)
 
 
 async def brokers_idle(pd: stack.PDStack) -> dict[str, dict[str, int]]:

@@ -8,7 +8,6 @@ Every case leaves both servers serving and both brokers holding no request (`set
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ import pytest_asyncio
 
 from kvbroker.tools.launch import BrokerProcess, start_broker
 from kvbroker.tools.serving import client, models, stack, vllm_stack
+from tests.helpers import until
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 ANSWER_TOKENS = 8
@@ -80,18 +80,6 @@ async def vllm_pd(backend, vllm_model, vllm_log_root) -> AsyncIterator[vllm_stac
     await deployment.stop()
 
 
-async def until(condition, timeout: float = 60.0, interval: float = 0.1):
-    """Poll an async `condition` until it is truthy or `timeout` passes; its last value (for states no
-    event announces: what a broker holds)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        held = await condition()
-        if held or loop.time() > deadline:
-            return held
-        await asyncio.sleep(interval)
-
-
 async def brokers_hold(deployment: vllm_stack.Deployment) -> dict[str, dict[str, int]]:
     return {side: await stack.broker_holds(broker) for side, broker in deployment.brokers.items()}
 
@@ -106,6 +94,16 @@ async def settled(deployment: vllm_stack.Deployment, reference: Reference, http:
     held = await until(idle, timeout=120)
     assert held, f"a broker still holds requests: {await brokers_hold(deployment)}"
     assert all(h["engines"] == 1 for h in held.values()), f"an engine is missing: {held}"
+
+    async def servers_hold():
+        return {side: await vllm_stack.held(http, deployment.servers[side].url) for side in ("prefill", "decode")}
+
+    async def servers_idle():  # prefill holds a request's blocks at most hold_s without decode's offer
+        now = await servers_hold()
+        return now if all(not any(h.values()) for h in now.values()) else None
+
+    idle_servers = await until(servers_idle, timeout=CONNECTOR["hold_s"] + 60)
+    assert idle_servers, f"a server still holds requests or blocks: {await servers_hold()}"
     prompt = client.prompts(1, 3 * BLOCK + 5, seed=20_000)[0]
     got = await vllm_stack.complete(http, deployment.url, prompt, ANSWER_TOKENS)
     assert got.output_ids == await reference.answer(prompt), "the settling request"

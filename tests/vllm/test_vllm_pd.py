@@ -5,13 +5,13 @@ once, and failures (a client gone, a broker restarted) leave both brokers holdin
 from __future__ import annotations
 
 import asyncio
-import signal
 
 import aiohttp
 import pytest
 
 from kvbroker.tools.serving import client, stack, vllm_stack
-from tests.vllm.conftest import ANSWER_TOKENS, BLOCK, restart_broker, settled, until
+from tests.helpers import until
+from tests.vllm.conftest import ANSWER_TOKENS, BLOCK, CONNECTOR, restart_broker, settled
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # servers start in minutes here
 
@@ -82,23 +82,35 @@ async def test_a_client_gone_after_its_first_token_leaves_nothing_held(vllm_pd, 
     await settled(vllm_pd, vllm_reference, vllm_http)
 
 
-async def test_a_client_gone_before_its_first_token_leaves_nothing_held(vllm_pd, vllm_reference, vllm_http):
-    """The client goes while prefill holds the request (decode paused: nothing offered yet), so prefill
-    holds its blocks for an offer that may never come; decode resumed, nothing stays behind."""
+async def post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with http.post(url + "/v1/completions", json=body,
+                         timeout=aiohttp.ClientTimeout(total=vllm_stack.REQUEST_TIMEOUT_S)) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def test_a_request_decode_never_takes_is_let_go_after_hold_s_and_a_late_decode_fails_cleanly(
+        vllm_pd, vllm_reference, vllm_http):
+    """Prefill answered (as the router asks it) and holds the request's blocks for decode's offer, but the
+    client went away before decode was asked: after hold_s prefill frees them. Decode asked later with
+    those kv_transfer_params gets an error at once (the prefill broker refuses the late offer), and
+    both servers keep serving."""
     prompt = client.prompts(1, 80, seed=42)[0]
-    decode = vllm_pd.servers["decode"]
-    stack.signal_all([decode], [], signal.SIGSTOP)
-    try:
-        request = asyncio.ensure_future(vllm_stack.complete(vllm_http, vllm_pd.url, prompt, ANSWER_TOKENS))
+    status, answer = await post(vllm_http, vllm_pd.servers["prefill"].url, {
+        "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
+    assert status == 200, answer
+    params = answer["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["kvbroker"]["blocks"] == -(-len(prompt) // BLOCK)
 
-        async def prefill_held():  # prefill finished the request and holds its blocks for decode
-            return (await stack.broker_holds(vllm_pd.brokers["prefill"]))["live_requests"] > 0
+    async def prefill_free():
+        return not any((await vllm_stack.held(vllm_http, vllm_pd.servers["prefill"].url)).values())
 
-        assert await until(prefill_held, timeout=120), "prefill never took the request"
-        request.cancel()
-        await asyncio.gather(request, return_exceptions=True)
-    finally:
-        stack.signal_all([decode], [], signal.SIGCONT)
+    assert not await prefill_free(), "prefill does not hold the request's blocks for decode"
+    assert await until(prefill_free, timeout=CONNECTOR["hold_s"] + 60), "prefill still holds the blocks"
+    status, late = await post(vllm_http, vllm_pd.servers["decode"].url, {
+        "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "stream": False,
+        "kv_transfer_params": params})
+    assert status >= 400 and "error" in late, late
     await settled(vllm_pd, vllm_reference, vllm_http)
 
 
@@ -114,4 +126,30 @@ async def test_a_broker_restarted_comes_back_and_the_next_request_answers(vllm_p
     prompt = client.prompts(1, 60, seed=50)[0]
     got = await vllm_stack.complete(vllm_http, vllm_pd.url, prompt, ANSWER_TOKENS)
     assert got.output_ids == await vllm_reference.answer(prompt), f"after the {side} broker restarted"
+    await settled(vllm_pd, vllm_reference, vllm_http)
+
+
+async def test_decode_killed_mid_request_fails_its_requests_and_a_new_decode_answers_again(vllm_pd, vllm_reference,
+                                                                                          vllm_http, vllm_model):
+    """Decode's server dies while requests are in flight: they fail at the client, its broker drops its
+    grants and revokes them at prefill, prefill frees what it held; a decode started again on the same
+    port is in the router's rotation again and answers as the non-PD server."""
+    decode = vllm_pd.servers["decode"]
+    prompts = [client.prompts(1, 150, seed=60 + i)[0] for i in range(4)]
+    asked = [asyncio.ensure_future(vllm_stack.complete(vllm_http, vllm_pd.url, p, 200)) for p in prompts]
+
+    async def decode_granted():
+        return (await stack.broker_holds(vllm_pd.brokers["decode"]))["live_requests"] > 0
+
+    try:
+        assert await until(decode_granted, timeout=300), "no request reached decode"
+        await decode.kill()
+    finally:
+        results = await asyncio.gather(*asked, return_exceptions=True)
+    assert any(isinstance(r, Exception) for r in results), "no request was in flight when decode died"
+    vllm_pd.servers["decode"] = await vllm_stack.start_server(
+        "decode", vllm_model, decode.log_path.parent, kv_transfer_config=vllm_pd.connector.decode_config,
+        env=vllm_pd.connector.decode_env, port=decode.port)
+    # the router took the dead decode out of rotation; it is back once the router's health checks see it
+    await vllm_pd.servers["router"].wait_ready("/readiness", 120)
     await settled(vllm_pd, vllm_reference, vllm_http)

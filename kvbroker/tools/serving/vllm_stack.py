@@ -299,11 +299,28 @@ def prompt_sources(metrics: str) -> dict[str, float]:
     return totals
 
 
-async def prompt_token_sources(session, url: str, timeout: float = 10.0) -> dict[str, float]:
-    """Where a server's prompt tokens came from so far, from its `/metrics`."""
+async def metrics_text(session, url: str, timeout: float = 10.0) -> str:
     import aiohttp
 
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as response:
         if response.status != 200:
             raise RuntimeError(f"GET {url}/metrics: HTTP {response.status}")
-        return prompt_sources(await response.text())
+        return await response.text()
+
+
+async def prompt_token_sources(session, url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Where a server's prompt tokens came from so far, from its `/metrics`."""
+    return prompt_sources(await metrics_text(session, url, timeout))
+
+
+def metric_sum(metrics: str, name: str) -> float:
+    """The sum of a metric's samples (over its labels) in a `/metrics` text; 0 when absent."""
+    sample = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in sample.findall(metrics))
+
+
+async def held(session, url: str) -> dict[str, float]:
+    """What a server holds now: its running and waiting requests and the share of KV blocks in use."""
+    text = await metrics_text(session, url)
+    return {name: metric_sum(text, f"vllm:{name}") for name in ("num_requests_running", "num_requests_waiting",
+                                                                  "kv_cache_usage_perc")}

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll, KVTransferDestination
-from sglang.srt.disaggregation.common.conn import CommonKVReceiver, KVTransferError
+from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 
 from kvbroker_client import Component
 from kvbroker_client.adapter import ReceivingRequest
 from kvbroker_client.adapter.aux import AuxError, decode_aux, write_aux
 from kvbroker_sglang.aux_only import AuxOnlyDecode
 from kvbroker_sglang.layout import state_component_of
-from kvbroker_sglang.manager import KvbrokerKVManager, KvbrokerTransferError, Room
+from kvbroker_sglang.manager import BrokerFailure, KvbrokerKVManager, Room
 from kvbroker_sglang.sglang_0_5_23 import ReceiverSurface
 from kvbroker_sglang.wire import OUTCOME_TAG, Metadata, Outcome, Registration, WireError
 
@@ -130,7 +130,7 @@ class DecodeKVManager(AuxOnlyDecode, KvbrokerKVManager):
         write_aux(rows, self.kv_args.aux_data_ptrs, items, index)
 
 
-class KvbrokerKVReceiver(ReceiverSurface, CommonKVReceiver):
+class KvbrokerKVReceiver(BrokerFailure, ReceiverSurface, CommonKVReceiver):
     """Decode side of one request: discovery as CommonKVReceiver, then a grant offered to the prefill broker."""
 
     kv_mgr: DecodeKVManager
@@ -194,11 +194,3 @@ class KvbrokerKVReceiver(ReceiverSurface, CommonKVReceiver):
         self.kv_mgr.cancel_unfinished(self.bootstrap_room)
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
-
-    def failure_exception(self):
-        code = self.kv_mgr.failure_code(self.bootstrap_room)  # before SGLang's clear() forgets the room
-        try:
-            super().failure_exception()
-        except KVTransferError as exc:
-            raise KvbrokerTransferError(exc.bootstrap_room, exc.failure_reason, code=code,
-                                        is_from_another_rank=exc.is_from_another_rank) from None

@@ -49,6 +49,18 @@ class KvbrokerTransferError(KVTransferError):
         self.code = code
 
 
+class BrokerFailure:
+    """Mixed into the sender and the receiver: SGLang's failure, with the broker's code."""
+
+    def failure_exception(self):
+        code = self.kv_mgr.failure_code(self.bootstrap_room)  # before SGLang's clear() forgets the room
+        try:
+            super().failure_exception()
+        except KVTransferError as exc:
+            raise KvbrokerTransferError(exc.bootstrap_room, exc.failure_reason, code=code,
+                                        is_from_another_rank=exc.is_from_another_rank) from None
+
+
 @dataclass
 class Room:
     """What the manager keeps of one request beside SGLang's request_status."""
@@ -118,11 +130,7 @@ class KvbrokerKVManager(ManagerSurface, CommonKVManager):
                                    attn_tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
                                    dp_rank=self.system_dp_rank)
         link = EngineLink(self.settings, engine_id, holder=f"sglang {mode} {engine_id} pid {os.getpid()}")
-        try:
-            link.open(topology, components)
-        except BaseException:
-            link.close()
-            raise
+        link.open(topology, components)
         self.link = link
 
     def _start_thread(self, target, name: str) -> None:

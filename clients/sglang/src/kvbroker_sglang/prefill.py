@@ -21,14 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
-from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVSender, KVTransferError
+from sglang.srt.disaggregation.common.conn import ABORT_TAG, AbortNotification, CommonKVSender
 
 from kvbroker_client import Component
 from kvbroker_client.adapter import Part, SendingRequest
 from kvbroker_client.adapter.aux import encode_aux
 from kvbroker_sglang.aux_only import AuxOnlyPrefill
 from kvbroker_sglang.layout import state_component_of
-from kvbroker_sglang.manager import KvbrokerKVManager, KvbrokerTransferError, Room
+from kvbroker_sglang.manager import BrokerFailure, KvbrokerKVManager, Room
 from kvbroker_sglang.sglang_0_5_23 import SenderSurface
 from kvbroker_sglang.wire import METADATA_TAG, REGISTER_TAG, Metadata, Outcome, Registration, WireError
 
@@ -231,7 +231,7 @@ class PrefillKVManager(AuxOnlyPrefill, KvbrokerKVManager):
             self.tell_decode(room, Outcome(room, aux=aux))
 
 
-class KvbrokerKVSender(SenderSurface, CommonKVSender):
+class KvbrokerKVSender(BrokerFailure, SenderSurface, CommonKVSender):
     """Prefill side of one request: CommonKVSender's lifecycle, parts through the manager."""
 
     kv_mgr: PrefillKVManager
@@ -269,11 +269,3 @@ class KvbrokerKVSender(SenderSurface, CommonKVSender):
         self.kv_mgr.ended_before_decode(self.bootstrap_room)
         super().clear()
         self.kv_mgr.forget(self.bootstrap_room)
-
-    def failure_exception(self):
-        code = self.kv_mgr.failure_code(self.bootstrap_room)  # before SGLang's clear() forgets the room
-        try:
-            super().failure_exception()
-        except KVTransferError as exc:
-            raise KvbrokerTransferError(exc.bootstrap_room, exc.failure_reason, code=code,
-                                        is_from_another_rank=exc.is_from_another_rank) from None

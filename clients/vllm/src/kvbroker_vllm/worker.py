@@ -67,11 +67,7 @@ class WorkerSide:
                                    tp_rank=tp, pp_size=self.pp_size, pp_rank=pp, dp_rank=self.dp_rank)
         engine_id = f"{self.settings.engine_prefix}/vllm-{self.role}/dp{self.dp_rank}-tp{tp}-pp{pp}"
         link = EngineLink(self.settings, engine_id, holder=f"vllm {self.role} {engine_id} pid {os.getpid()}")
-        try:
-            link.open(topology, components)
-        except BaseException:
-            link.close()
-            raise
+        link.open(topology, components)
         self.link, self.ranks = link, (pp, tp)
         self._components = {c.component for c in components}
 

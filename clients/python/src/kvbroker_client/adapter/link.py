@@ -40,7 +40,8 @@ class EngineLink:
         return self.client is not None
 
     def open(self, topology: Topology, components: Sequence[ComponentSpec]) -> None:
-        """Connect to the broker and register the engine; raises the broker's error (bounded by connect_timeout_s)."""
+        """Connect to the broker and register the engine; raises the broker's error (bounded by
+        connect_timeout_s), the link closed again."""
         if self.client is not None:
             return
         self.loop = LoopThread(f"kvbroker {self.engine_id}")
@@ -56,7 +57,11 @@ class EngineLink:
                 await client.close()
                 raise
 
-        self.client, (self.broker_address, self.broker_id) = self.loop.run(connect(), timeout=timeout + 5)
+        try:
+            self.client, (self.broker_address, self.broker_id) = self.loop.run(connect(), timeout=timeout + 5)
+        except BaseException:
+            self.close()
+            raise
         log.info("kvbroker: engine %s registered with the broker at %s (peer address %s): %s", self.engine_id,
                  self.settings.address, self.broker_address,
                  ", ".join(f"{c.component.name} {len(c.layer_buffers)} buffers" for c in components))
