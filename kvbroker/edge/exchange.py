@@ -8,6 +8,9 @@ server's at shutdown. One `_Stream` per stream, whose commands are exchange_comm
 - `_take` runs each as a task of `Commands`, at most max_exchange_commands at once (more are refused
   RESOURCE_EXHAUSTED naming the setting), each the Broker call of its unary RPC; a command_id in
   flight already is refused INVALID_ARGUMENT;
+- a cancel (`_cancel`) ends the command it names (Commands.stop): its last reply is CANCELLED, then
+  the cancel is answered; one naming no command in flight is NOT_FOUND, one naming 0 or itself
+  INVALID_ARGUMENT. A cancel takes no slot: the reader answers it;
 - a message admission.py refused (too large, too many page ids) arrives as its Refusal, answered
   under its command_id as the unary RPC would be refused;
 - every reply goes through the Outbox, whose writer alone writes, and none before the stream's
@@ -139,16 +142,38 @@ class _Stream:
             self._over.set()
 
     async def _take(self, request: bpb.ExchangeRequest) -> None:
-        command_id = request.command_id
+        command_id, kind = request.command_id, request.WhichOneof("command")
         if command_id in self._commands.in_flight:
             await self._refuse(command_id, BrokerError(Code.INVALID_ARGUMENT, f"command_id: {command_id} is in "
                                                        "flight on this stream already"))
+        elif kind == "cancel":
+            await self._cancel(command_id, request.cancel.command_id)
         elif self._commands.slots >= self._x.max_commands:
+            orphans = self._commands.slots - len(self._commands.in_flight)
+            ending = f", {orphans} of them cancelled and ending" if orphans else ""
             await self._refuse(command_id, BrokerError(
                 Code.RESOURCE_EXHAUSTED, f"command_id {command_id}: {self._commands.slots} commands are in flight "
-                f"on this stream, its limit (max_exchange_commands={self._x.max_commands})"))
+                f"on this stream{ending}, its limit (max_exchange_commands={self._x.max_commands})"))
         else:
             self._commands.start(request)
+
+    async def _cancel(self, command_id: int, target: int) -> None:
+        """End command `target` with CANCELLED, then answer the cancel; or refuse it, under its own id."""
+        if target == 0:
+            error = BrokerError(Code.INVALID_ARGUMENT, "cancel.command_id: 0 names no command (command ids are "
+                                                       "nonzero)")
+        elif target == command_id:
+            error = BrokerError(Code.INVALID_ARGUMENT, f"cancel.command_id: {target} is this cancel's own command_id")
+        elif not await self._commands.stop(target, self._x.settle_s):
+            error = BrokerError(Code.NOT_FOUND, f"cancel.command_id: no command {target} is in flight on this stream "
+                                                "(it ended, was cancelled, or never began)")
+        else:
+            await self._outbox.put(error_reply(target, Code.CANCELLED, f"command {target}: cancelled by the client "
+                                                                       f"(cancel {command_id})"))
+            await self._outbox.put(bpb.ExchangeResponse(command_id=command_id,
+                                                        cancelled=bpb.ExchangeCancel(command_id=target)))
+            return
+        await self._refuse(command_id, error)
 
     async def _refuse(self, command_id: int, error: BrokerError) -> None:
         code, message = failure(error)

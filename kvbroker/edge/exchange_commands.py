@@ -3,9 +3,11 @@
   `_run` makes the very Broker call the command's unary RPC makes (Transfer, ExpectTransfer,
   WatchTransfer), converted by edge/convert.py the same way, its failure its last reply's code and
   message as edge/codes.py maps it for the unary RPC: no rule is checked here. A watch ends with its
-  request's terminal status;
+  request's terminal status, or at the command's deadline (timeout_ms: DEADLINE_EXCEEDED);
 - a command's last reply frees its slot as it is queued (`_last`): a client that saw it finds the
   slot free;
+- `stop` ends one command for a cancel. A transfer's or expect's Broker call is not cut by it (as a
+  unary call's is not when its client goes, `_call`): it runs on, holding the slot until it ends;
 - `end` stops them all when the stream ends: its watches at once, its Broker calls each within its
   own bound;
 - `Carried`: the requests the stream's transfers and expects created or fed, which its end fails
@@ -17,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 import grpc
 
@@ -59,13 +61,15 @@ class Commands:
         self._observer = observer
         self._freed = freed  # told each time a command's slot comes free
         self._tasks = OwnedTasks()
+        self._calls = OwnedTasks()  # the Broker calls of transfers and expects: a cancel does not cut them
         self.in_flight: dict[int, asyncio.Task] = {}
+        self._orphans: set[asyncio.Task] = set()  # calls whose command was cancelled: each holds a slot still
         self._watches: set[asyncio.Task] = set()
         self._told = 0  # slots the observer was told this stream holds
 
     @property
     def slots(self) -> int:
-        return len(self.in_flight)
+        return len(self.in_flight) + len(self._orphans)
 
     def _tell(self) -> None:
         if self._observer is not None and self.slots != self._told:
@@ -80,6 +84,19 @@ class Commands:
         if request.WhichOneof("command") == "watch":
             self._watches.add(task)
         self._tell()
+
+    async def stop(self, command_id: int, wait_s: float) -> bool:
+        """End command `command_id` for a cancel, its slot freed; False when it is not in flight."""
+        task = self.in_flight.get(command_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        # A cancelled command stops at its next await (a Broker call it made runs on, _call); the cancel
+        # writes its last reply, not the command.
+        if not (await asyncio.wait([task], timeout=wait_s))[0]:
+            log.warning("exchange command %d did not stop within %.0fs of its cancel", command_id, wait_s)
+        self._done(command_id, task)
+        return True
 
     async def wait(self, timeout: float) -> None:
         await self._tasks.wait(timeout)
@@ -105,18 +122,16 @@ class Commands:
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         try:
             if kind == "transfer":
-                status = await self._broker.transfer(request.transfer.engine_id,
-                                                     lambda: convert.transfer_command_in(request.transfer), timeout)
-                self._carried.carry(status)
+                status = await self._call(self._broker.transfer(
+                    request.transfer.engine_id, lambda: convert.transfer_command_in(request.transfer), timeout))
                 reply = bpb.ExchangeResponse(command_id=command_id,
                                              transfer=bpb.TransferResponse(status=convert.status_out(status)))
             elif kind == "expect":
-                status = await self._expect(request.expect, timeout)
-                self._carried.carry(status)
+                status = await self._call(self._expect(request.expect, timeout))
                 reply = bpb.ExchangeResponse(command_id=command_id,
                                              expect=bpb.ExpectTransferResponse(status=convert.status_out(status)))
             elif kind == "watch":
-                await self._watch(command_id, request.watch)
+                await self._watch(command_id, request.watch, timeout)
                 return
             elif kind == "ping":
                 if len(request.ping.payload) > MAX_PING_BYTES:
@@ -124,16 +139,33 @@ class Commands:
                                                              f"exceed {MAX_PING_BYTES}")
                 reply = bpb.ExchangeResponse(command_id=command_id, pong=request.ping)
             else:
-                raise BrokerError(Code.INVALID_ARGUMENT, "command: none set (transfer, expect, watch or ping)")
+                raise BrokerError(Code.INVALID_ARGUMENT, "command: none set (transfer, expect, watch, ping or cancel)")
             await self._last(reply)
         except asyncio.CancelledError:
-            raise  # by the stream's end
+            raise  # by its cancel, which answers it, or by the stream's end
         except Ended:
             return  # the stream is over: nothing more is written on it
         except BaseException as exc:
             code, message = failure(exc)
             with contextlib.suppress(Ended):
                 await self._last(error_reply(command_id, code, message))
+
+    async def _call(self, call: Coroutine[Any, Any, TransferStatus]) -> TransferStatus:
+        """A Broker call that a cancel of its command does not cut: the request it creates or feeds is
+        carried however it ends, and its slot stays taken until it does."""
+        task = self._calls.spawn(call, "exchange call")
+        task.add_done_callback(self._carried.carry_result)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                self._orphans.add(task)
+                task.add_done_callback(self._orphan_done)
+            raise
+
+    def _orphan_done(self, task: asyncio.Task) -> None:
+        self._orphans.discard(task)
+        self._tell()
 
     async def _expect(self, request: bpb.ExpectTransferRequest, timeout: float | None) -> TransferStatus:
         deadline = asyncio.timeout(timeout)
@@ -146,28 +178,40 @@ class Commands:
             raise BrokerError(Code.DEADLINE_EXCEEDED, f"timeout_ms: the command's deadline of "
                                                       f"{_ms(timeout)} ms passed") from None
 
-    async def _watch(self, command_id: int, request: bpb.WatchTransferRequest) -> None:
-        updates = await self._broker.watch(request.engine_id, request.request_id, states_only=request.states_only,
-                                           terminal_only=request.terminal_only,
-                                           offer_wait_s=request.offer_wait_ms / 1000)
-        async with contextlib.aclosing(updates):
-            async for status in updates:
-                reply = bpb.ExchangeResponse(command_id=command_id, watch=bpb.WatchTransferResponse(
-                    status=convert.status_out(status)))
-                if status.state.terminal:
-                    self._carried.forget(status)
-                    await self._last(reply)
-                else:
-                    await self._outbox.put(reply)
+    async def _watch(self, command_id: int, request: bpb.WatchTransferRequest, timeout: float | None) -> None:
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                updates = await self._broker.watch(request.engine_id, request.request_id,
+                                                   states_only=request.states_only,
+                                                   terminal_only=request.terminal_only,
+                                                   offer_wait_s=request.offer_wait_ms / 1000)
+                async with contextlib.aclosing(updates):
+                    async for status in updates:
+                        reply = bpb.ExchangeResponse(command_id=command_id, watch=bpb.WatchTransferResponse(
+                            status=convert.status_out(status)))
+                        if status.state.terminal:
+                            self._carried.forget(status)
+                            await self._last(reply)
+                        else:
+                            await self._outbox.put(reply)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise BrokerError(Code.DEADLINE_EXCEEDED, f"timeout_ms: the watch's deadline of {_ms(timeout)} ms passed "
+                                                      f"before request {request.request_id[:128]!r} ended") from None
 
     async def end(self, settle_s: float) -> None:
-        """At the stream's end: its watches stopped, its other commands let end (each within its own
-        bound, up to `settle_s`), then cut; every slot freed."""
+        """At the stream's end: its watches stopped, its other commands and their Broker calls let end
+        (each within its own bound, up to `settle_s`), then cut; every slot freed."""
         for task in list(self._watches):
             task.cancel()
         await self._tasks.wait(settle_s)
         await self._tasks.cancel(settle_s)
+        await self._calls.wait(settle_s)
+        await self._calls.cancel(settle_s)
         self.in_flight.clear()
+        self._orphans.clear()
         self._tell()
 
 
@@ -179,6 +223,11 @@ class Carried:
         self._tasks = tasks
         self._keys: dict[tuple[str, str], None] = {}  # (engine_id, request_id)
         self._pruned_at = 0
+
+    def carry_result(self, call: asyncio.Task) -> None:
+        """A Broker call's done callback: its request is carried while it has not ended."""
+        if not call.cancelled() and call.exception() is None:
+            self.carry(call.result())
 
     def carry(self, status: TransferStatus) -> None:
         key = (status.engine_id, status.request_id)
