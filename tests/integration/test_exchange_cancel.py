@@ -2,7 +2,8 @@
 are the same code for both backends): a cancel naming a command ends it (a watch: CANCELLED, then the
 cancel is answered); bad cancels (an unknown id, an ended command, a duplicate, 0, the cancel itself)
 get their precise status, and a flood of them loses nothing for the other commands; a watch ends
-itself at its timeout_ms.
+itself at its timeout_ms; and 10 000 watch deadlines and cancels on one stream, made by the client as
+a server makes them, leave the broker's command slots, tasks and memory where they were.
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import time
 import grpc
 import pytest
 
+from kvbroker_client.errors import DeadlineExceeded
+from kvbroker_client.exchange import Exchange
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.conftest import close_broker, open_broker
 from tests.integration.flows import grant, watch_first
-from tests.integration.streams import RawExchange, cancel, metric, ping
+from tests.integration.streams import RawExchange, cancel, metric, ping, until_metric
+from tests.integration.watch import rss_mib
 
 pytestmark = pytest.mark.integration
 
@@ -123,3 +127,48 @@ async def test_a_flood_of_bad_cancels_loses_nothing_for_the_other_commands(broke
         assert last.command_id == 1 and last.watch.status.state == pb.TRANSFER_STATE_FAILED
     finally:
         await stream.close()
+
+
+async def test_watch_deadlines_and_cancels_leave_slots_tasks_and_memory_at_their_baseline(broker, engines,
+                                                                                      request_id):
+    """10 000 watches on one stream, made by the client as a server makes them: half reach their deadline
+    (the client cancels each, and the broker ends it at the same deadline), half are left by the
+    caller after their first status (the client cancels each). The broker's command slots come back
+    to 0, its event loop's tasks and its memory to where they were, and the stream is the first."""
+    dst = await pending_grant(broker, engines, request_id)
+    exchange = Exchange(broker.stub, broker.process.listen)
+    metrics, pid = broker.process.metrics_listen, broker.process.pid
+    rounds, width = 100, 50  # 100 rounds of 50 watches at once: 5 000 deadlines, 5 000 left
+
+    async def deadline() -> None:
+        request = bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id, terminal_only=True)
+        with pytest.raises(DeadlineExceeded):
+            async for _ in exchange.watch(request, 0.05):
+                pass
+
+    async def left() -> None:
+        request = bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id, states_only=True)
+        watching = exchange.watch(request, 60)
+        assert (await anext(watching)).state == pb.TRANSFER_STATE_PENDING
+        await watching.aclose()  # the caller stops iterating
+
+    try:
+        await exchange.ping(10)
+        for _ in range(3):  # warm: the first rounds allocate what every later round reuses
+            await asyncio.gather(*(deadline() for _ in range(width)), *(left() for _ in range(width)))
+        assert await exchange.cancels_answered(30)
+        assert await until_metric(metrics, "kvbroker_exchange_commands", 0)
+        tasks_before, rss_before = await metric(metrics, "kvbroker_event_loop_tasks"), rss_mib(pid)
+        for _ in range(rounds):
+            await asyncio.gather(*(deadline() for _ in range(width)), *(left() for _ in range(width)))
+        assert await exchange.cancels_answered(30)
+        assert await until_metric(metrics, "kvbroker_exchange_commands", 0), "command slots still taken"
+        assert exchange.cancels_sent >= rounds * width * 2
+        tasks_after, rss_after = await metric(metrics, "kvbroker_event_loop_tasks"), rss_mib(pid)
+        print(f"tasks {tasks_before:.0f} -> {tasks_after:.0f}, RSS {rss_before:.1f} -> {rss_after:.1f} MiB")
+        assert tasks_after <= tasks_before + 5, (tasks_before, tasks_after)
+        assert rss_after <= rss_before + 16, f"RSS grew from {rss_before:.1f} to {rss_after:.1f} MiB"
+        assert exchange.streams_opened == 1
+        assert (await watch_first(dst, request_id)).state == pb.TRANSFER_STATE_PENDING
+    finally:
+        await exchange.close()
