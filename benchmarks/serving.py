@@ -27,9 +27,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,14 +50,6 @@ def model_setup(name: str) -> dict:
                          "(CPU stand-in that selects blocks by the index K), small MoE, hidden 64, float32, "
                          "random weights; PD moves sparse KV, index K and dense KV"}
     raise ValueError(f"--model: {name!r} is neither 'llama' nor 'minimax'")
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 def timeline(events: list[dict], post_t: float, room: str) -> list[dict]:
@@ -150,7 +140,7 @@ async def run(args: argparse.Namespace) -> dict:
     prompts = client.prompts(args.requests, args.prompt_tokens, seed=2026)
     batch = client.prompts(args.batch, args.prompt_tokens, seed=2027)
     load_before = os.getloadavg()
-    started_at, commit = time.time(), _git_commit()
+    started_at, commit = time.time(), compare.git_commit()
     async with compare.deployments(model, log_dir, labels, prefill_args=setup["args"], decode_args=setup["args"],
                                    env=setup["env"]) as deployments, aiohttp.ClientSession() as http:
         urls = {label: d.url for label, d in deployments.items()}
@@ -167,18 +157,13 @@ async def run(args: argparse.Namespace) -> dict:
     medians = median_timeline(trace.read(trace_dir), series)
     same = all(series[label].answers == series["mooncake"].answers for label in labels)
     moon = series["mooncake"].median_ms
-    ttft = {label: {"median_ms": round(s.median_ms, 2),
-                    "p90_ms": round(sorted(s.ttft_s)[int(0.9 * (len(s.ttft_s) - 1))] * 1000, 2),
-                    "mean_ms": round(statistics.mean(s.ttft_s) * 1000, 2),
-                    "samples_ms": [round(t * 1000, 2) for t in s.ttft_s]} for label, s in series.items()}
+    ttft = {label: compare.ttft_summary(s) for label, s in series.items()}
     ratios = {label: round(series[label].median_ms / moon, 3) for label in labels if label != "mooncake"}
     return {
         "what": "TTFT and requests/s through SGLang 0.5.23 PD servers (router, prefill, decode): kvbroker "
                 "beside SGLang's mooncake backend, same prompts, one run",
         "commit": commit, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started_at)),
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_before": [round(x, 2) for x in load_before],
-                    "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+        "machine": compare.machine(load_before),
         "model": {"name": args.model, "path": str(model), "shape": setup["shape"]},
         "workload": {"prompt_tokens": args.prompt_tokens, "tokens": args.tokens, "ttft_requests": args.requests,
                      "batch": args.batch, "greedy": True, "stream": True},

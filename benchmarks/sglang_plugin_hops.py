@@ -57,12 +57,12 @@ async def main(requests: int, backend: str) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.plugins import load_plugins
 
-    from kvbroker.tools.launch import start_broker
-    from kvbroker_client import TransferState
+    from kvbroker.tools.launch import start_broker, start_brokers
+    from kvbroker_client.adapter import Phase
     from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
     from tests.sglang import ranks
     from tests.sglang.conftest import Ranks, broker_flags
-    from tests.sglang.test_end_to_end import (
+    from tests.sglang.pair import (
         PAGES,
         PREFILL_AUX,
         PREFIX_PAGES,
@@ -74,8 +74,8 @@ async def main(requests: int, backend: str) -> dict:
 
     load_plugins()
     flags = broker_flags(backend)
-    prefill_broker, decode_broker = await asyncio.gather(start_broker("hops-prefill", *flags),
-                                                         start_broker("hops-decode", *flags))
+    prefill_broker, decode_broker = await start_brokers(start_broker("hops-prefill", *flags),
+                                                        start_broker("hops-decode", *flags))
     made = None
     try:
         with ranks.SGLangProcess(ranks.free_port()) as process:
@@ -84,16 +84,16 @@ async def main(requests: int, backend: str) -> dict:
             marks: dict[str, float] = {}
             p, d = pair.prefill, pair.decode
             p._on_metadata = _timed(marks, "prefill: metadata frame handled", p._on_metadata, by_room=False)
-            p._apply = _timed(marks, "prefill: broker's PENDING applied", p._apply,
-                              when=lambda room, s: s.state is TransferState.PENDING)
-            p._apply = _timed(marks, "prefill: broker's SUCCEEDED applied", p._apply,
-                              when=lambda room, s: s.state is TransferState.SUCCEEDED)
-            d._apply = _timed(marks, "decode: broker's SUCCEEDED applied", d._apply,
-                              when=lambda room, s: s.state is TransferState.SUCCEEDED)
-            d._push = _timed(marks, "decode: frame pushed (thread)", d._push, by_room=False)
-            d.client.expect_transfer = _timed_async(marks, "decode: ExpectTransfer returned", d.client.expect_transfer)
-            p.client.transfer_part = _timed(marks, "prefill: Transfer part called (loop)", p.client.transfer_part)
-            p.client.transfer_part = _timed_async(marks, "prefill: Transfer part returned", p.client.transfer_part)
+            p.on_request_change = _timed(marks, "prefill: broker's SUCCEEDED applied", p.on_request_change,
+                                         when=lambda room, r: r.phase is Phase.SUCCEEDED)
+            d.on_request_change = _timed(marks, "decode: broker's SUCCEEDED applied", d.on_request_change,
+                                         when=lambda room, r: r.phase is Phase.SUCCEEDED)
+            pushing = KvbrokerKVReceiver.push_to_prefill
+            KvbrokerKVReceiver.push_to_prefill = _timed(marks, "decode: frame pushed (thread)", pushing, by_room=False)
+            dc, pc = d.link.client, p.link.client
+            dc.expect_transfer = _timed_async(marks, "decode: ExpectTransfer returned", dc.expect_transfer)
+            pc.transfer_part = _timed(marks, "prefill: Transfer part called (loop)", pc.transfer_part)
+            pc.transfer_part = _timed_async(marks, "prefill: Transfer part returned", pc.transfer_part)
             samples: dict[str, list[float]] = defaultdict(list)
 
             def one(i: int) -> None:

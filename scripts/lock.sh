@@ -38,6 +38,7 @@ compile runtime-cpu
 compile runtime-cuda
 compile test            # constrained by runtime-cpu.txt: the suite runs what the demo and image run
 compile sglang-nodeps --no-deps
+compile vllm --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec  # CUDA builds: stop `import vllm`
 
 if [[ $out != locks ]]; then  # --check: the same pins (hashes may grow as wheels are added upstream)
     stale=()

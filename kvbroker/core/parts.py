@@ -108,7 +108,8 @@ def check_grant_inside(dst: EngineLayout, granted: Mapping[Component, np.ndarray
 
 
 def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, np.ndarray],
-              coverage: Coverage, pages: Iterable[PartPages], *, last: bool) -> PartPlan:
+              coverage: Coverage, pages: Iterable[PartPages], *, last: bool,
+              src_offsets: Mapping[Component, int] | None = None) -> PartPlan:
     """Where each component of a part lands and the descriptors that write it, between engines
     that passed the topology rules and a grant inside `dst` (check_grant_inside). Raises, writing
     nothing, for a part outside the grant, overlapping an earlier part, or breaking a component's
@@ -125,7 +126,8 @@ def plan_part(src: EngineLayout, dst: EngineLayout, granted: Mapping[Component, 
         if kind not in granted:
             raise BrokerError(Code.PERMISSION_DENIED, f"pages: {kind.name} is not in the grant")
         kinds_seen.add(kind)
-        rule = topology.part_pages(kind, entry.src_page_ids, granted[kind], entry.dst_offset, last=last)
+        rule = topology.part_pages(kind, entry.src_page_ids, granted[kind], entry.dst_offset, last=last,
+                                   src_offset=(src_offsets or {}).get(kind, 0))
         hit = coverage.first_overlap(kind, rule.dst_offset, len(rule.dst))
         if hit is not None:
             raise _overlap_refusal(kind, hit, granted[kind])

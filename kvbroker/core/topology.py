@@ -137,9 +137,13 @@ def check_dense_kv(granted: np.ndarray, src: np.ndarray | None, dst_offset: int,
         )
 
 
-def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset: int, *, last: bool) -> PartLanding:
+def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset: int, *, last: bool,
+               src_offset: int = 0) -> PartLanding:
     """The page rule of `kind` for one part that starts at entry `dst_offset` of the grant's list.
 
+    Rule src-offset: the grant's first entry takes the sender's page at `src_offset` of its sequence
+    (the receiver holds the pages before it): a part's pages before that position are not written,
+    and its `dst_offset` counts from the sender's first page, so it lands `src_offset` entries earlier.
     Rule part-in-grant: the part must start inside the grant's list (PERMISSION_DENIED).
     Rule dense-kv-length (check_dense_kv): MINIMAX_DENSE_KV moves whole, with the last part only.
     Rule index-k-truncate: MINIMAX_INDEX_K is cut to the shorter of the source list and the rest of
@@ -147,6 +151,9 @@ def part_pages(kind: Component, src: np.ndarray, granted: np.ndarray, dst_offset
     Rule chunk: any other component lands on the next len(src) entries; source pages past the end of
     the grant's list are dropped and counted, as upstream drops them.
     """
+    if src_offset:
+        skipped = min(len(src), max(0, src_offset - dst_offset))
+        src, dst_offset = src[skipped:], max(0, dst_offset - src_offset)
     if dst_offset > len(granted) or (dst_offset == len(granted) and len(src)):
         raise BrokerError(Code.PERMISSION_DENIED,
                           f"rule part-in-grant: {kind.name} dst_offset {dst_offset} is past the end of the "

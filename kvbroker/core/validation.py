@@ -18,7 +18,7 @@ Callers: Registry (registry.py), Broker (broker.py), the sender's plan.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -190,6 +190,26 @@ def check_grant_pages(layout: EngineLayout | None, pages: Sequence[tuple[Compone
         granted[kind] = ids
     assert tuple(granted) == components
     return granted
+
+
+def check_src_offsets(offsets: Sequence[tuple[Component, int]], granted: Mapping[Component, np.ndarray], *,
+                      offered: bool, max_pages: int, field_name: str = "pages") -> dict[Component, int]:
+    """A grant's src_offset per component (rule src-offset, topology.part_pages): only for a grant
+    offered to its sender, only for components it grants, each at most `max_pages`; zeros dropped."""
+    out = {}
+    for kind, offset in offsets:
+        where = f"{field_name}[{list(granted).index(kind) if kind in granted else '?'}].src_offset ({kind.name})"
+        if not offset:
+            continue
+        if not offered:
+            raise invalid(f"{where}: src_offset is for a grant offered to its sender (sender_address)")
+        if kind not in granted:
+            raise invalid(f"{where}: {kind.name} is not in the grant")
+        if offset > max_pages:
+            raise BrokerError(Code.RESOURCE_EXHAUSTED,
+                              f"{where}: {offset} pages exceeds the limit of {max_pages} (max_pages_per_request)")
+        out[kind] = int(offset)
+    return out
 
 
 def check_part_pages(layout: EngineLayout, pages: Sequence[tuple[Component, np.ndarray, int]], field_name: str,

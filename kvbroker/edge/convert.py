@@ -41,6 +41,7 @@ from kvbroker.peers.wire import (  # noqa: F401  re-exported for the servicers
     part_ack_out,
     part_notice_in,
     part_notice_out,
+    src_offsets_in,
     topology_in,
     topology_out,
 )
@@ -127,11 +128,12 @@ def grant_command_in(request: bpb.ExpectTransferRequest) -> GrantCommand:
         raise invalid("pages: give either pages, or components with dst_page_ids, not both")
     if request.pages:
         pages, shared = grant_pages_in(request.pages), False
+        offsets = tuple(src_offsets_in(request.pages))
     else:
         ids = page_ids_in(request.dst_page_ids)
-        pages, shared = [(kind, ids) for kind in components_in(request.components)], True
+        pages, shared, offsets = [(kind, ids) for kind in components_in(request.components)], True, ()
     return GrantCommand(request.request_id, request.engine_id, tuple(pages), request.expiry_ms,
-                        request.sender_address, request.sender_engine_id, shared)
+                        request.sender_address, request.sender_engine_id, shared, offsets)
 
 
 def transfer_command_in(request: bpb.TransferRequest) -> TransferCommand | PartCommand:

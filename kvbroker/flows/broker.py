@@ -276,7 +276,12 @@ class Broker:
         """Fail a request (an offer on its way waited for up to `offer_wait_s`); returns once its peer has
         stopped writing into or reading out of it (an offered request: the offer's delivery and the
         revocation, each bounded by peer_rpc_timeout_s) or its task has ended (a claimed one)."""
-        record = await self.offers.held(engine_id, request_id, offer_wait_s)
+        try:
+            record = await self.offers.held(engine_id, request_id, offer_wait_s)
+        except BrokerError as exc:
+            if exc.code is Code.NOT_FOUND and offer_wait_s > 0 and engine_id in self.registry:
+                self.offers.book.refuse_later(request_id)  # the offer waited for may still come: refused then
+            raise
         await self._abort(record, Code.CANCELLED, f"cancelled: {reason[:256] or 'by the caller'}")
         await self.receiver.revoked([record], timeout=self.limits.peer_settle_s)
         return record.snapshot()

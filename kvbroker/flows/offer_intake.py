@@ -81,7 +81,7 @@ class OfferIntake:
         loop = asyncio.get_running_loop()
         held = Offer(offer.peer_address, identity.name, epoch, offer.engine_id, offer.request_id,
                      offer.sender_engine_id, offer.granted, offer.token, offer.generation,
-                     loop.time() + offer.remaining_s)
+                     loop.time() + offer.remaining_s, dict(offer.src_offsets))
         self.book.add(held)
         if engine is not None and not self._held_by_rival(engine.engine_id, offer.request_id):
             try:

@@ -16,8 +16,9 @@ offers of that request for that engine end (they lost).
 Bounds (`OfferQuota`), per receiver identity and in total, checked before an offer's page arrays
 are built (`admit`) and again when it is kept (`add`): offers held, page ids held, bytes held (the
 page arrays plus OFFER_OVERHEAD_BYTES each); RESOURCE_EXHAUSTED names the setting. A Transfer that
-gave up waiting leaves a note (at most `max_offers`, for `retention_s`) so that an offer arriving
-after it is refused at once, and the receiver's grant fails then instead of at its expiry.
+gave up waiting, or a CancelTransfer that waited for the offer (offer_wait_ms) and found none,
+leaves a note (at most `max_offers`, for `retention_s`) so that an offer arriving after it is
+refused at once, and the receiver's grant fails then instead of at its expiry.
 """
 
 from __future__ import annotations
@@ -118,12 +119,13 @@ class OfferBook:
 
     def add(self, offer: Offer) -> None:
         """Hold a new offer; refused when that receiver has one live for the request and engine (or
-        one naming no engine), a quota is full, or a Transfer for its request id gave up waiting."""
+        one naming no engine), a quota is full, or a Transfer or cancel for its request id gave up waiting."""
         loop = asyncio.get_running_loop()
         self._forget_notes(loop.time())
         if self._gave_up.pop(offer.request_id, None) is not None:
-            raise precondition(f"request_id: a Transfer of request {offer.request_id!r} on this broker "
-                               "gave up waiting for the offer before it arrived")
+            raise precondition(f"request_id: the sender of request {offer.request_id!r} on this broker gave up "
+                               "waiting for the offer before it arrived (a Transfer or a CancelTransfer found none "
+                               "within offer_wait_s)")
         rid, receiver, engine = offer.request_id, offer.receiver_id, offer.sender_engine_id
         taken = [k for k in self._offers
                  if k[0] == rid and k[1] == receiver and (not engine or not k[2] or k[2] == engine)]
@@ -234,6 +236,11 @@ class OfferBook:
         self.end(offer, BrokerError(Code.DEADLINE_EXCEEDED, f"grant {offer.request_id!r} expired"))
         if self._on_expired is not None:
             self._on_expired(offer)
+
+    def refuse_later(self, request_id: str) -> None:
+        """A sender gave up on the request before its offer came (a cancel that waited for it): an
+        offer arriving later is refused, so its receiver fails at once rather than at its expiry."""
+        self._note_gave_up(request_id, asyncio.get_running_loop().time())
 
     def _note_gave_up(self, request_id: str, now: float) -> None:
         self._gave_up[request_id] = now + self._retention_s

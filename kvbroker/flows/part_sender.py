@@ -187,7 +187,7 @@ class PartSender:
         pages = [PartPages(kind, ids, offset) for kind, ids, offset in job.cmd.pages]
         try:
             return plan_part(job.engine.layout, session.engine, offer.granted, offer.coverage, pages,
-                             last=job.cmd.last)
+                             last=job.cmd.last, src_offsets=offer.src_offsets)
         except BrokerError as exc:
             raise _Refused(exc) from None
 

@@ -39,6 +39,7 @@ from kvbroker.core.validation import (
     check_identifier,
     check_page_ids,
     check_peer_address,
+    check_src_offsets,
     check_unique,
     registered_pages,
 )
@@ -65,6 +66,7 @@ class GrantCommand:
     sender_address: str = ""  # set: the offered flow
     sender_engine_id: str = ""
     shared: bool = False  # one dst_page_ids list for every component (the claimed flow's form)
+    src_offsets: tuple[tuple[Component, int], ...] = ()  # offered grants: the sender's page on entry 0
 
 
 class Receiver:
@@ -92,6 +94,8 @@ class Receiver:
             if not cmd.sender_address:
                 raise invalid("pages: a page list per component is for a grant offered to its sender; set "
                               "sender_address, or give one dst_page_ids list")
+        src_offsets = check_src_offsets(cmd.src_offsets, granted, offered=bool(cmd.sender_address),
+                                        max_pages=max_pages)
         if cmd.sender_address:
             check_peer_address(cmd.sender_address, "sender_address")
         if cmd.sender_engine_id:
@@ -105,7 +109,7 @@ class Receiver:
         offered = None
         if cmd.sender_address:
             offered = OfferedGrant(cmd.sender_address, cmd.sender_engine_id, secrets.token_hex(16),
-                                   Landing(granted, self._limits.max_parts_per_request))
+                                   Landing(granted, self._limits.max_parts_per_request), src_offsets=src_offsets)
         record = self._table.add_grant(cmd.engine_id, cmd.request_id, granted, expiry_s, offered)
         if offered is not None:
             await self._offer(record, offered, engine.generation, expiry_s)
@@ -116,7 +120,7 @@ class Receiver:
         # The offer lives no longer than the grant: what is left of it now, not what was asked for.
         offer = GrantOffer(self._peer_address, record.engine_id, record.request_id, offered.sender_engine_id,
                            dict(record.granted), min(expiry_s, self._table.remaining_s(record)), offered.token,
-                           generation)
+                           generation, dict(offered.src_offsets))
         failure = None
         try:
             sender_id, epoch = await self._peers.offer(offered.sender_address, offer,

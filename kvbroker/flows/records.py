@@ -158,6 +158,7 @@ class OfferedGrant:
     sender_epoch: int = 0
     sender_failed: bool = False  # the sender told us it failed: it needs no revocation
     offered: asyncio.Event = field(default_factory=asyncio.Event)  # set once the offer call has returned
+    src_offsets: dict[Component, int] = field(default_factory=dict)  # the sender's page on entry 0, where not 0
 
 
 @dataclass(eq=False, kw_only=True)
@@ -241,6 +242,7 @@ class Offer:
     token: str
     generation: int  # the receiving engine's registry generation when it offered
     expires_at: float  # loop time
+    src_offsets: dict[Component, int] = field(default_factory=dict)  # the sender's page on entry 0, where not 0
     coverage: Coverage = field(init=False)
     next_part: int = 0
     last_part: int | None = None  # the number of the part marked last, once accepted

@@ -9,7 +9,7 @@ so that the sender, the receiver and the peer clients import them without import
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -65,6 +65,7 @@ class GrantOffer:
     remaining_s: float
     token: str
     generation: int
+    src_offsets: dict[Component, int] = field(default_factory=dict)  # the sender's page on entry 0, where not 0
 
 
 @dataclass(frozen=True)

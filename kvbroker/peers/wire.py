@@ -13,6 +13,7 @@ the peer clients never import kvbroker.edge (tests/test_layers.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TypeVar
 
 import grpc
@@ -38,6 +39,7 @@ from kvbroker.core.validation import (
     check_grant_pages,
     check_identifier,
     check_peer_address,
+    check_src_offsets,
 )
 from kvbroker.peers.link import GrantOffer, PartAck, PartNotice
 from kvbroker_client.v1 import common_pb2 as pb
@@ -119,15 +121,23 @@ def grant_pages_in(values, field_name: str = "pages") -> list[tuple[Component, n
             for i, p in enumerate(values)]
 
 
-def grant_pages_out(granted: dict[Component, np.ndarray]) -> list[pb.ComponentPages]:
-    return [pb.ComponentPages(component=int(k), page_ids=v.tolist()) for k, v in granted.items()]
+def grant_pages_out(granted: dict[Component, np.ndarray],
+                    src_offsets: Mapping[Component, int] | None = None) -> list[pb.ComponentPages]:
+    offsets = src_offsets or {}
+    return [pb.ComponentPages(component=int(k), page_ids=v.tolist(), src_offset=offsets.get(k, 0))
+            for k, v in granted.items()]
+
+
+def src_offsets_in(values) -> list[tuple[Component, int]]:
+    """ComponentPages messages' src_offset (checked by check_src_offsets): (component, offset) in order."""
+    return [(Component(p.component), p.src_offset) for p in values]
 
 
 def grant_offer_out(offer: GrantOffer, broker_id: str, epoch: int) -> ppb.OfferGrantRequest:
     return ppb.OfferGrantRequest(
         broker_id=broker_id, epoch=epoch, peer_address=offer.peer_address, engine_id=offer.engine_id,
         request_id=offer.request_id, sender_engine_id=offer.sender_engine_id,
-        pages=grant_pages_out(offer.granted), remaining_ms=max(1, int(offer.remaining_s * 1000)),
+        pages=grant_pages_out(offer.granted, offer.src_offsets), remaining_ms=max(1, int(offer.remaining_s * 1000)),
         offer_token=offer.token, generation=offer.generation,
     )
 
@@ -146,8 +156,9 @@ def grant_offer_in(req: ppb.OfferGrantRequest, max_pages: int) -> GrantOffer:
     check_components([enum_in(Component, p.component, f"pages[{i}].component") for i, p in enumerate(req.pages)],
                      "pages")
     granted = check_grant_pages(None, grant_pages_in(req.pages), "pages", max_pages)
+    offsets = check_src_offsets(src_offsets_in(req.pages), granted, offered=True, max_pages=max_pages)
     return GrantOffer(req.peer_address, req.engine_id, req.request_id, req.sender_engine_id, granted,
-                      req.remaining_ms / 1000, req.offer_token, req.generation)
+                      req.remaining_ms / 1000, req.offer_token, req.generation, offsets)
 
 
 def part_notice_out(n: PartNotice) -> ppb.PartNotice:

@@ -73,18 +73,13 @@ class Side:
 
 
 async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
-    from kvbroker.tools.launch import start_broker
+    from kvbroker.tools.launch import start_broker, start_brokers
     from kvbroker_client.client import BrokerClient
 
     flags = ("--backend", backend, "--log-level", "WARNING", "--transfer-timeout-s", str(timeout),
              "--metrics-listen", "127.0.0.1:0")  # scraped only at the control plane's window edges
-    started = await asyncio.gather(start_broker(f"bench-prefill-{backend}", *flags),
-                                   start_broker(f"bench-decode-{backend}", *flags), return_exceptions=True)
-    failed = [s for s in started if isinstance(s, BaseException)]
-    if failed:
-        await stop_all(b for b in started if not isinstance(b, BaseException))
-        raise failed[0]
-    prefill, decode = started
+    prefill, decode = await start_brokers(start_broker(f"bench-prefill-{backend}", *flags),
+                                          start_broker(f"bench-decode-{backend}", *flags))
     p_client = await BrokerClient.connect(prefill.listen, transfer_timeout=timeout)
     d_client = await BrokerClient.connect(decode.listen, transfer_timeout=timeout)
     side = Side(backend, prefill, decode, p_client, d_client)

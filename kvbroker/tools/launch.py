@@ -127,6 +127,17 @@ async def stop_all(brokers: Iterable[BrokerProcess | None]) -> None:
         raise ChildDied("\n".join(deaths))
 
 
+async def start_brokers(*starts: Awaitable[BrokerProcess]) -> list[BrokerProcess]:
+    """Start brokers concurrently (`start_broker(...)` calls); if one fails, stop those that started
+    and raise its error, so that no broker outlives a failed start."""
+    started = await asyncio.gather(*starts, return_exceptions=True)
+    failed = [s for s in started if isinstance(s, BaseException)]
+    if failed:
+        await stop_all(b for b in started if not isinstance(b, BaseException))
+        raise failed[0]
+    return list(started)
+
+
 async def _drain(stream: asyncio.StreamReader, sink: list[str], echo: bool) -> None:
     while line := await stream.readline():
         text = line.decode(errors="replace").rstrip()

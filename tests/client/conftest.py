@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.launch import BrokerProcess, start_broker
+from kvbroker.tools.launch import BrokerProcess, start_broker, start_brokers
 from kvbroker_client import BrokerClient, ComponentSpec
 from kvbroker_client.tensors import SharedPool
 
@@ -42,8 +42,8 @@ class BrokerPair:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def client_brokers() -> AsyncIterator[BrokerPair]:
-    prefill, decode = await asyncio.gather(start_broker("client-prefill", *BROKER_FLAGS),
-                                           start_broker("client-decode", *BROKER_FLAGS))
+    prefill, decode = await start_brokers(start_broker("client-prefill", *BROKER_FLAGS),
+                                          start_broker("client-decode", *BROKER_FLAGS))
     yield BrokerPair(prefill, decode)
     await asyncio.gather(prefill.stop(), decode.stop())
 

@@ -62,11 +62,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def offer(dst, src, request_id, pages: dict, *, sender_engine=True, expiry_ms=30_000, timeout=10):
+async def offer(dst, src, request_id, pages: dict, *, sender_engine=True, expiry_ms=30_000, timeout=10,
+                src_offsets=None):
     """ExpectTransfer naming the sender: the grant is offered to src's broker before it returns."""
+    offsets = src_offsets or {}
     return await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
         request_id=request_id, engine_id=dst.engine_id, expiry_ms=expiry_ms,
-        pages=[pb.ComponentPages(component=k, page_ids=list(map(int, v))) for k, v in pages.items()],
+        pages=[pb.ComponentPages(component=k, page_ids=list(map(int, v)), src_offset=offsets.get(k, 0))
+               for k, v in pages.items()],
         sender_address=src.broker.peer_address, sender_engine_id=src.engine_id if sender_engine else ""),
         timeout=timeout)
 

@@ -91,6 +91,36 @@ async def test_a_chunked_minimax_request_lands_every_component_and_the_aux_with_
                                                        (DENSE, src_all, dst_all)]))
 
 
+async def test_a_grant_with_src_offset_takes_the_senders_suffix_and_leaves_the_prefix_alone(brokers, engines,
+                                                                                           request_id):
+    """vLLM's order: prefill sends every page of the request, decode granted only what its prefix
+    cache lacks and says from which of the sender's pages (src_offset); the held prefix is not written."""
+    src, dst = await m3_pair(brokers, engines, seed=6)
+    rng = np.random.default_rng(6)
+    pages, held = 12, 5
+    src_all, dst_new = pick(rng, pages), pick(rng, pages - held)
+    before = dst.segment.array.copy()
+    await offer(dst, src, request_id, {MAIN: dst_new, INDEX: dst_new}, src_offsets={MAIN: held, INDEX: held})
+    first = await part(src, request_id, {MAIN: src_all[:4]}, last=False)  # all of it before the offset
+    assert first.status.state == pb.TRANSFER_STATE_TRANSFERRING
+    last = await part(src, request_id, {MAIN: src_all[4:], INDEX: src_all}, offsets={MAIN: 4})
+    assert last.status.state == pb.TRANSFER_STATE_SUCCEEDED and last.status.pages == 2 * (pages - held)
+    assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all[held:], dst_new),
+                                                       (INDEX, src_all[held:], dst_new)]))
+
+
+async def test_a_src_offset_is_refused_where_no_sender_is_named_and_past_the_request_bound(brokers, engines,
+                                                                                          request_id):
+    src, dst = await m3_pair(brokers, engines, seed=7)
+    claimed = await refusal(dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+        request_id=request_id, engine_id=dst.engine_id, expiry_ms=10_000,
+        pages=[pb.ComponentPages(component=MAIN, page_ids=[1, 2], src_offset=3)])))
+    assert claimed.code() is grpc.StatusCode.INVALID_ARGUMENT and "sender_address" in claimed.details()
+    huge = await refusal(offer(dst, src, request_id, {MAIN: [1, 2]}, src_offsets={MAIN: 1 << 31}))
+    assert huge.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "pages[0].src_offset (MAIN_KV)" in huge.details() and "max_pages_per_request" in huge.details()
+
+
 async def test_parts_sent_at_once_land_once_each(brokers, engines, request_id):
     src, dst = await m3_pair(brokers, engines, seed=4)
     rng = np.random.default_rng(4)

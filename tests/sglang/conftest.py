@@ -17,7 +17,7 @@ from tests.sglang.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
-from kvbroker.tools.launch import BrokerProcess, start_broker  # noqa: E402
+from kvbroker.tools.launch import BrokerProcess, start_broker, start_brokers  # noqa: E402
 from tests.sglang import ranks  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -46,8 +46,8 @@ def sglang_process() -> Iterator[ranks.SGLangProcess]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def broker_pair() -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
-    prefill, decode = await asyncio.gather(start_broker("sglang-prefill", *BROKER_FLAGS),
-                                           start_broker("sglang-decode", *BROKER_FLAGS))
+    prefill, decode = await start_brokers(start_broker("sglang-prefill", *BROKER_FLAGS),
+                                          start_broker("sglang-decode", *BROKER_FLAGS))
     yield prefill, decode
     await asyncio.gather(prefill.stop(), decode.stop())
 
@@ -55,8 +55,8 @@ async def broker_pair() -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engine_brokers(backend: str) -> AsyncIterator[tuple[BrokerProcess, BrokerProcess]]:
     """A prefill and a decode broker on each transfer engine (tests/conftest.py's `backend`)."""
-    prefill, decode = await asyncio.gather(start_broker(f"sglang-prefill-{backend}", *broker_flags(backend)),
-                                           start_broker(f"sglang-decode-{backend}", *broker_flags(backend)))
+    prefill, decode = await start_brokers(start_broker(f"sglang-prefill-{backend}", *broker_flags(backend)),
+                                          start_broker(f"sglang-decode-{backend}", *broker_flags(backend)))
     yield prefill, decode
     await asyncio.gather(prefill.stop(), decode.stop())
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvbroker_sglang.aux import AuxError, decode_aux, encode_aux, write_aux
+from kvbroker_client.adapter.aux import AuxError, decode_aux, encode_aux, write_aux
 from tests.sglang import ranks  # noqa: F401 - declares torchvision's ops before sglang is imported
 
 

@@ -143,9 +143,9 @@ async def test_a_prefill_abort_before_decodes_offer_came_fails_decode_when_the_o
         sender.poll()
         sender.side.abort()  # e.g. the client went away while the request waited in prefill's queue
         sender.until(*polls("Failed"))
-        cancel = pair.prefill.room(request.room).cancel
-        assert cancel is not None
-        cancel.result(timeout=PROMPT_FAILURE_S)  # answered: the broker had nothing to cancel then
+        cancelled = pair.prefill.request_of(request.room)
+        assert cancelled is not None and cancelled.cancelled
+        cancelled.wait_quiesced(PROMPT_FAILURE_S)  # answered: the broker had nothing to cancel then
         if cleared:
             sender.side.clear()
         receiver = Watched(KvbrokerKVReceiver(pair.decode, pair.bootstrap, request.room))

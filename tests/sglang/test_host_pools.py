@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvbroker_client import SharedMemoryRef
+from kvbroker_client.adapter.memory import MemoryExporter, NotExportable
 from kvbroker_sglang import host_pools
-from kvbroker_sglang.memory import MemoryExporter, NotExportable
 from tests.sglang import ranks
 
 pytestmark = pytest.mark.integration

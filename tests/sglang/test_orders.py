@@ -203,7 +203,7 @@ async def test_a_decode_abort_in_prefills_bootstrap_queue_polls_only_what_that_q
         sender, receiver = start(pair, request)  # the sender is WaitingForInput: pop_bootstrapped polls it
         with paused(prefill_broker):
             receiver.side.abort()
-            until(lambda: pair.prefill.room(request.room).cancel is not None, "decode's abort frame never came")
+            until(lambda: pair.prefill.room(request.room).request.cancelled, "decode's abort frame never came")
             for _ in range(3):
                 sender.poll()  # the cancel has not answered: the broker is paused
             assert_accepted(sender, "prefill bootstrap")
@@ -240,7 +240,7 @@ async def test_every_phase_polls_only_what_its_queues_take_through_aborts_on_eit
         sender.until(_poll("Transferring"))
         with paused(prefill_broker):
             receiver.side.abort()
-            until(lambda: pair.prefill.room(request.room).cancel is not None, "decode's abort frame never came")
+            until(lambda: pair.prefill.room(request.room).request.cancelled, "decode's abort frame never came")
             assert sender.poll() == _poll("Transferring")  # a part may still read its pages: held
         sender.until(_poll("Failed"))
         assert_accepted(sender, "prefill inflight")

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from kvbroker_client import BrokerClient, BufferRole, Component, Layout, SharedMemoryRef
+from kvbroker_client.adapter.memory import NotExportable
 from kvbroker_sglang.layout import LayoutError, engine_components
-from kvbroker_sglang.memory import NotExportable
 from tests.sglang import ranks
 
 pytestmark = pytest.mark.integration

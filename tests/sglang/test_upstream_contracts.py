@@ -47,9 +47,9 @@ def _sender(manager, room=ROOM):
 
 def _settle(manager, room):
     """Wait (bounded) for the room's cancel on the broker, if one was started."""
-    state = manager._rooms.get(room)
-    if state is not None and state.cancel is not None:
-        state.cancel.result(timeout=30)
+    request = manager.request_of(room)
+    if request is not None:
+        request.wait_quiesced(30)
 
 
 async def test_a_zero_page_last_chunk_is_still_sent_and_other_empty_chunks_are_not(sglang_ranks, broker_pair):
@@ -75,7 +75,7 @@ async def test_abort_fails_the_sender_with_sglangs_reason_and_enqueues_nothing(s
     sender.abort()
     await asyncio.to_thread(_settle, manager, ROOM)
     sender.send(np.array([1], dtype=np.int32))
-    assert not [t for t in manager.loop._tasks if t.get_name().startswith("part")]
+    assert not [t for t in manager.link.loop._tasks if t.get_name().startswith("part")]
     assert sender.poll() == kvpoll.Failed
     with pytest.raises(KvbrokerTransferError, match="Aborted by AbortReq"):
         sender.failure_exception()

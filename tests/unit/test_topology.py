@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvbroker.core import topology
 from kvbroker.core.errors import Code
@@ -150,3 +152,33 @@ def test_a_part_past_the_end_of_the_grant_is_refused():
     error = refusal(topology.part_pages, MAIN, np.arange(2), np.arange(4), 4, last=False)
     assert error.code is Code.PERMISSION_DENIED and "rule part-in-grant" in error.reason
     assert topology.part_pages(MAIN, np.arange(0), np.arange(4), 4, last=False).dst.size == 0
+
+
+@given(st.data())
+def test_src_offset_lands_each_sender_page_past_it_on_its_entry_and_writes_none_before(data):
+    """Rule src-offset against a naive model: the sender's sequence cut into parts at random, the
+    grant starting at sender position `s`; each sender page at position p >= s lands on entry p - s."""
+    n = data.draw(st.integers(1, 40), label="sender pages")
+    s = data.draw(st.integers(0, n), label="src_offset")
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, n - 1)), max_size=5), label="cuts") - {n})
+    bounds = [0, *cuts, n]
+    sender = np.arange(100, 100 + n)
+    granted = np.arange(500, 500 + n - s)
+    landed = {}
+    for start, end in zip(bounds, bounds[1:]):
+        part = topology.part_pages(MAIN, sender[start:end], granted, start, last=end == n, src_offset=s)
+        assert part.dst.tolist() == granted[part.dst_offset:part.dst_offset + len(part.dst)].tolist()
+        for src_page, dst_page in zip(part.src.tolist(), part.dst.tolist()):
+            assert dst_page not in landed, "an entry written twice"
+            landed[dst_page] = src_page
+    assert landed == {500 + p - s: 100 + p for p in range(s, n)}
+
+
+def test_src_offset_applies_to_the_index_and_the_dense_kv_as_a_suffix():
+    sender = np.arange(10)
+    index = topology.part_pages(INDEX, sender, np.arange(20, 27), 0, last=True, src_offset=3)
+    assert index.src.tolist() == list(range(3, 10)) and index.dst_offset == 0
+    dense = topology.part_pages(DENSE, sender, np.arange(30, 34), 0, last=True, src_offset=6)
+    assert dense.src.tolist() == [6, 7, 8, 9] and dense.dst.tolist() == [30, 31, 32, 33]
+    error = refusal(topology.part_pages, DENSE, sender, np.arange(30, 35), 0, last=True, src_offset=6)
+    assert "rule dense-kv-length" in error.reason

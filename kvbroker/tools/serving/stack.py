@@ -27,7 +27,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +49,40 @@ DECODE_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 # within 5.000s" and decode aborted it). What these stacks serve is not the peer timeout's test.
 PEER_RPC_TIMEOUT_S = 30.0
 START_TIMEOUT_S = 300.0  # tens of seconds alone; several servers starting on 2 busy cores take minutes
+
+
+def shm_files_of_group(pgid: int) -> set[Path]:
+    """The /dev/shm files that the processes of group `pgid` map or hold open.
+
+    A server killed with SIGKILL (a crash test, or a stop past its timeout) leaves its segments behind:
+    vLLM's and SGLang's queues, and its whole KV cache where an adapter moved it into /dev/shm (a GiB a
+    server). On a 24 GiB machine a suite's worth of them fills memory, so whoever kills a server
+    unlinks them once it is dead (a broker that still maps one keeps its mapping until it lets go).
+    """
+    held: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = (proc / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:  # field 5, pgrp, after "pid (comm) state ppid"
+                continue
+            for line in (proc / "maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
+                    held.add(Path(fields[5]))
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("/dev/shm/") and not target.endswith(" (deleted)"):
+                        held.add(Path(target))
+    return held
+
+
+def unlink_all(paths: Iterable[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
 
 def free_port() -> int:
@@ -116,10 +150,11 @@ class ServerProcess:
             os.killpg(self.pid, sig)
 
     async def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM to its process group (SGLang drains and ends its children), SIGKILL after `timeout`.
-        Raises ChildDied when it had died unasked before."""
+        """SIGTERM to its process group (SGLang drains and ends its children), SIGKILL after `timeout`;
+        then the /dev/shm files the group held are unlinked. Raises ChildDied when it had died unasked before."""
         died_before = self.process.returncode is not None and not self._asked
         self._asked = True
+        held = await asyncio.to_thread(shm_files_of_group, self.pid)
         if self.process.returncode is None:
             self._signal_group(signal.SIGTERM)
             try:
@@ -128,15 +163,20 @@ class ServerProcess:
                 pass
         self._signal_group(signal.SIGKILL)  # its scheduler and detokenizer too, whatever the leader did
         code = await self.process.wait()
+        await asyncio.to_thread(unlink_all, held)
         if died_before:
             raise ChildDied(self.exit_report("before it was stopped"))
         return code
 
     async def kill(self) -> int:
-        """SIGKILL to the whole group at once: a crash, as the failure tests want it."""
+        """SIGKILL to the whole group at once: a crash, as the failure tests want it; then the /dev/shm
+        files the group held are unlinked, as the dead processes can no longer do."""
         self._asked = True
+        held = await asyncio.to_thread(shm_files_of_group, self.pid)
         self._signal_group(signal.SIGKILL)
-        return await self.process.wait()
+        code = await self.process.wait()
+        await asyncio.to_thread(unlink_all, held)
+        return code
 
     async def wait_ready(self, path: str, timeout: float) -> None:
         """Until GET `path` answers 200; ChildDied if it exits first, TimeoutError (it is then killed)."""
@@ -162,14 +202,15 @@ class ServerProcess:
 def _open_log(log_dir: Path, name: str, command: list[str]):
     """The child's log file, appended to (a restarted server continues its log), the command first."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"{name}.log", "ab")  # closed by _spawn once the child holds it
+    log = open(log_dir / f"{name}.log", "ab")  # closed by spawn once the child holds it
     log.write(f"--- {time.strftime('%H:%M:%S')} {' '.join(command)}\n".encode())
     log.flush()
     return log
 
 
-async def _spawn(name: str, command: list[str], env: dict[str, str], log_dir: Path, url: str,
-                 bootstrap_port: int | None = None) -> ServerProcess:
+async def spawn(name: str, command: list[str], env: dict[str, str], log_dir: Path, url: str,
+                bootstrap_port: int | None = None) -> ServerProcess:
+    """A server (or router) as a child in its own session, logging to `log_dir`/`name`.log; not waited for."""
     log = _open_log(log_dir, name, command)
     try:
         # Its own session: stop() and kill() reach SGLang's scheduler and detokenizer through the group.
@@ -197,7 +238,7 @@ async def start_server(name: str, model: Path, log_dir: Path, *, mode: str | Non
         else:
             command += list(DECODE_FLAGS)
     command += list(args)
-    server = await _spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}", bootstrap_port)
+    server = await spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}", bootstrap_port)
     if wait:
         try:
             await server.wait_ready("/health_generate", timeout)
@@ -221,7 +262,7 @@ async def start_router(prefill: ServerProcess, decode: ServerProcess, log_dir: P
                "--health-check-endpoint", "/health", "--health-check-interval-secs", "1",
                "--health-failure-threshold", "3",
                "--health-success-threshold", "1", *args]
-    router = await _spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
+    router = await spawn("router", command, server_env(), log_dir, f"http://127.0.0.1:{port}")
     await router.wait_ready("/readiness", timeout)  # 200 once it holds healthy prefill and decode workers
     return router
 
@@ -295,23 +336,34 @@ class PDStack:
         self._signal_all(signal.SIGCONT)
 
     def _signal_all(self, sig: int) -> None:
-        for server in (self.router, self.prefill, self.decode):
-            if server.alive():
-                server._signal_group(sig)
-        for broker in self.brokers.values():
-            if broker.process.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(broker.pid, sig)
+        signal_all((self.router, self.prefill, self.decode), self.brokers.values(), sig)
 
     async def stop(self) -> None:
         """Everything, router first; raises ChildDied naming every child that had died unasked."""
         self.resume()  # a paused process would hold its SIGTERM until the SIGKILL
-        ended = [await asyncio.gather(self.router.stop(), return_exceptions=True)]
-        ended.append(await asyncio.gather(self.decode.stop(), self.prefill.stop(), return_exceptions=True))
-        ended.append(await asyncio.gather(*(b.stop() for b in self.brokers.values()), return_exceptions=True))
-        deaths = [str(e) for group in ended for e in group if isinstance(e, BaseException)]
-        if deaths:
-            raise ChildDied("\n".join(deaths))
+        await stop_in_order([self.router], [self.decode, self.prefill], list(self.brokers.values()))
+
+
+def signal_all(servers: Iterable[ServerProcess], brokers: Iterable[BrokerProcess], sig: int) -> None:
+    """`sig` to each live server's process group and each live broker."""
+    for server in servers:
+        if server.alive():
+            server._signal_group(sig)
+    for broker in brokers:
+        if broker.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(broker.pid, sig)
+
+
+async def stop_in_order(*groups: Sequence[ServerProcess | BrokerProcess]) -> None:
+    """Stops each group's children together, one group after the other, all of them whatever fails;
+    raises ChildDied naming every child that had died unasked."""
+    deaths = []
+    for group in groups:
+        ended = await asyncio.gather(*(child.stop() for child in group), return_exceptions=True)
+        deaths += [str(e) for e in ended if isinstance(e, BaseException)]
+    if deaths:
+        raise ChildDied("\n".join(deaths))
 
 
 async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | None = None,
@@ -330,18 +382,20 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",
                    prefill_args: Sequence[str] = (), decode_args: Sequence[str] = (),
                    env: dict[str, str] | None = None, decode_env: dict[str, str] | None = None,
-                   timeout: float = START_TIMEOUT_S) -> PDStack:
+                   timeout: float = START_TIMEOUT_S, brokers: dict[str, BrokerProcess] | None = None) -> PDStack:
     """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router.
-    `env` is both servers' extra environment, `decode_env` decode's alone."""
+    `env` is both servers' extra environment, `decode_env` decode's alone. `brokers` ("prefill",
+    "decode"), started by the caller, serve instead of new ones (several deployments on one broker
+    pair) and are the stack's from here on: stopped with it, or here if it fails."""
     if transfer not in ("kvbroker", "mooncake"):
         raise ValueError(f"transfer: {transfer!r} is neither 'kvbroker' nor 'mooncake'")
     engine = engine if transfer == "kvbroker" else "mooncake"
-    brokers: dict[str, BrokerProcess] = {}
+    brokers = dict(brokers or {})
     servers: list[ServerProcess] = []
     stack = None
     log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240  a local directory, at once
     try:
-        if transfer == "kvbroker":
+        if transfer == "kvbroker" and not brokers:
             pair = await asyncio.gather(_start_broker("prefill", engine, log_dir),
                                         _start_broker("decode", engine, log_dir))
             brokers = dict(zip(("prefill", "decode"), pair))

@@ -19,7 +19,7 @@ Events, in a request's order:
                               reply or a watch update), with its state
     client.reply              either server's client: that status read off its Exchange stream
     decode.applied            decode's plugin takes a state from its broker (watch or part reply), before
-    prefill.applied           SGLang's poll can see it (KvbrokerKVManager._apply)
+    prefill.applied           SGLang's poll can see it (KvbrokerKVManager.on_request_change)
     decode.status             decode's receiver: its poll() state, each time it changes (KvbrokerKVReceiver.poll)
     server.stream_output      either server's scheduler streams the request's first token to its
                               detokenizer (SchedulerOutputStreamer.stream_output; both backends)
@@ -157,18 +157,22 @@ def _shared_steps(receiver, manager) -> None:
 
 
 def _plugin(module) -> None:
-    receiver, manager = module.KvbrokerKVReceiver, module.KvbrokerKVManager
-    _shared_steps(receiver, manager)
-    _wrap(manager, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
+    receiver, prefill = module.KvbrokerKVReceiver, module.PrefillKVManager
+    _shared_steps(receiver, prefill)
+    _wrap(prefill, "_on_metadata", "prefill.metadata", lambda a, k: a[1].room,
           fields=lambda a, k: {"decode_prefix_len": a[1].decode_prefix_len})
-    applying = manager._apply
+    manager = module.KvbrokerKVManager
+    changing = manager.on_request_change
 
-    @functools.wraps(applying)
-    def apply(self, room, status):
-        _emit(f"{_side(self)}.applied", room, state=status.state.name)
-        return applying(self, room, status)
+    @functools.wraps(changing)
+    def on_request_change(self, room, request):
+        _emit(f"{_side(self)}.applied", room, state=_BROKER_STATE.get(request.phase.name, request.phase.name))
+        return changing(self, room, request)
 
-    manager._apply = apply
+    manager.on_request_change = on_request_change
+
+
+_BROKER_STATE = {"WAITING": "PENDING"}  # the adapter core's phases, named as the broker's states
 
 
 def _mooncake(module) -> None:

@@ -277,7 +277,8 @@ class BrokerClient:
                               sender_address: str = "", sender_engine_id: str = "", expiry_s: float | None = None,
                               timeout: float | None = None, dst_page_ids: PageIds = (),
                               components: Iterable[ComponentLike] = (Component.MAIN_KV,),
-                              pages: Mapping[ComponentLike, PageIds] | None = None) -> TransferStatus:
+                              pages: Mapping[ComponentLike, PageIds] | None = None,
+                              src_offsets: Mapping[ComponentLike, int] | None = None) -> TransferStatus:
         """Receiver side: grant a peer the right to write these destination pages until expiry.
 
         The offered flow: `dst_pages` maps each component to its destination page ids, and
@@ -285,7 +286,9 @@ class BrokerClient:
         broker the grant is offered to before this returns; only it may write the grant (only its
         engine `sender_engine_id`, when given), with `transfer_part`. The claimed flow (the sender
         names this broker, with `transfer`): `dst_page_ids`, one list for every one of `components`.
-        `expiry_s` None takes the broker's default grant lifetime.
+        `expiry_s` None takes the broker's default grant lifetime. `src_offsets` (offered flow): per
+        component, the position in the sender's page sequence whose page lands on the grant's first
+        entry; the sender's pages before it are not written (the receiver holds them already).
 
         Deprecated, kept for a release: `pages=` (now `dst_pages=`), and a page list as the third
         positional argument (now `dst_page_ids=`); each warns (DeprecationWarning).
@@ -307,10 +310,16 @@ class BrokerClient:
         if dst_pages is not None:
             if len(dst_page_ids):
                 raise InvalidArgument("dst_page_ids: give either dst_page_ids or dst_pages, not both")
+            offsets = {Component.of(c): int(o) for c, o in (src_offsets or {}).items()}
+            if stray := sorted(c.name for c in set(offsets) - {Component.of(c) for c in dst_pages}):
+                raise InvalidArgument(f"src_offsets: {', '.join(stray)} not in dst_pages")
             request.pages.extend(pb.ComponentPages(component=int(Component.of(c)),
-                                                   page_ids=_page_ids(ids, f"dst_pages[{Component.of(c).name}]"))
+                                                   page_ids=_page_ids(ids, f"dst_pages[{Component.of(c).name}]"),
+                                                   src_offset=offsets.get(Component.of(c), 0))
                                  for c, ids in dst_pages.items())
         else:
+            if src_offsets:
+                raise InvalidArgument("src_offsets: for a grant with a page list per component (dst_pages)")
             request.components.extend(_components(components))
             request.dst_page_ids.extend(_page_ids(dst_page_ids, "dst_page_ids"))
         reply = await self._unary("ExpectTransfer", request, self._deadline(timeout, self.timeout))

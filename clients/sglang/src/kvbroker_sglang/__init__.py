@@ -1,10 +1,13 @@
-"""kvbroker for SGLang's PD disaggregation.
+"""kvbroker for SGLang's PD disaggregation: an adapter on kvbroker_client.adapter (the engine-neutral core).
 
-    plugin    the `sglang.srt.plugins` entry point: `--disaggregation-transfer-backend kvbroker`
-    conn      the manager, sender, receiver and bootstrap server SGLang 0.5.23 runs (imports sglang)
-    layout    KVArgs -> components; memory: pointers -> shared-memory / CUDA IPC references
-    host_pools  SGLang's CPU KV pools built in /dev/shm (the plugin's hook on SGLang's pool construction)
-    aux       SGLang's metadata rows as the aux payload; wire: the ZMQ frames decode sends prefill
+    plugin         the `sglang.srt.plugins` entry point: `--disaggregation-transfer-backend kvbroker`
+    conn           the classes SGLang 0.5.23 runs: manager (both roles' base and the factory),
+                   prefill (the prefill manager and KvbrokerKVSender), decode (the decode manager and
+                   KvbrokerKVReceiver), bootstrap (the bootstrap server), aux_only (no pages, the aux row)
+    layout         KVArgs -> components and topology: the tables
+    host_pools     SGLang's CPU KV pools built in /dev/shm (the plugin's hook on SGLang's pool construction)
+    wire           the ZMQ frames decode sends prefill
+    sglang_0_5_23  every use of SGLang's private surface, read from that release
 
-Only `conn` (and `plugin.load`) import SGLang; the rest works without it (host_pools needs torch).
+Only the role modules, sglang_0_5_23 and `plugin.load` import SGLang; layout and wire work without it.
 """

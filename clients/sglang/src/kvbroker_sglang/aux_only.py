@@ -13,6 +13,8 @@ can fill, so kvbroker does it as Mooncake's TCP path does, beside the broker:
     decode  its control thread takes the Outcome: aux rows written -> Success, or Failed with the reason
 
 Nothing writes into decode's pages, so neither side holds any: poll() never says Transferring here.
+Each role's part is a mixin of its manager (AuxOnlyDecode, AuxOnlyPrefill); they use its rooms, its
+link's loop and SGLang's request_status.
 """
 
 from __future__ import annotations
@@ -35,11 +37,7 @@ def control_address(endpoint: str) -> NetworkAddress:
     return NetworkAddress(host, int(port))
 
 
-class AuxOnlyRequests:
-    """KvbrokerKVManager's part for aux-only requests (the module's map); it uses the manager's rooms,
-    loop and SGLang's request_status."""
-
-    # -- decode ----------------------------------------------------------------------------------
+class AuxOnlyDecode:
     def expect_aux_only(self, receiver, deliveries: list[tuple[dict, list[bytes]]], aux_index: int | None) -> None:
         """No grant: the metadata frames go to prefill as they are; its Outcome ends the room."""
         room = receiver.bootstrap_room
@@ -49,12 +47,12 @@ class AuxOnlyRequests:
         async def push() -> None:
             for info, frames in deliveries:
                 try:
-                    await asyncio.to_thread(self._push, receiver, info, frames)
+                    await asyncio.to_thread(receiver.push_to_prefill, info, frames)
                 except zmq.ZMQError as exc:
                     self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
                     return
 
-        state.task = self.loop.spawn(push(), name=f"aux-only metadata {room}")
+        self.link.spawn(push(), name=f"aux-only metadata {room}")
 
     def on_outcome(self, outcome: Outcome) -> None:
         room = outcome.room
@@ -64,27 +62,27 @@ class AuxOnlyRequests:
             return
         if outcome.failure:
             self.fail(room, outcome.failure)
-        elif self.write_aux(room, outcome.aux):
+        elif self.land_aux(room, outcome.aux):
             self.update_status(room, KVPoll.Success)
 
-    # -- prefill ---------------------------------------------------------------------------------
+
+class AuxOnlyPrefill:
     def tell_decode(self, room: int, outcome: Outcome) -> None:
         """Push `outcome` to the decode rank of an aux-only room, once; on the loop (ZMQ's send may block).
         Success is SGLang's once the frame is out, as Mooncake's is once its aux went."""
         state = self._rooms.get(room)
-        if state is None or not state.aux_only or state.told or self.loop is None:
+        if state is None or not state.aux_only or state.told or self.link is None:
             return
         state.told = True
         address = control_address(state.endpoint)
 
         async def push() -> None:
             try:
-                await asyncio.to_thread(self._send_multipart_locked, address.to_tcp(), outcome.to_frames(),
-                                        address.is_ipv6)
+                await asyncio.to_thread(self.send_frames, address, outcome.to_frames())
             except zmq.ZMQError as exc:
                 self.fail(room, f"the aux row to decode {state.endpoint} failed: {exc}")
                 return
             if not outcome.failure:
                 self.update_status(room, KVPoll.Success)
 
-        self.loop.spawn(push(), name=f"outcome {room}")
+        self.link.spawn(push(), name=f"outcome {room}")

@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbroker/v1/common.proto\x12\x0bkvbroker.v1\"/\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"U\n\nCudaIpcRef\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x17\n\x0f\x61llocation_size\x18\x04 \x01(\x04\"w\n\tMemoryRef\x12\x35\n\rshared_memory\x18\x01 \x01(\x0b\x32\x1c.kvbroker.v1.SharedMemoryRefH\x00\x12+\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x17.kvbroker.v1.CudaIpcRefH\x00\x42\x06\n\x04kind\"\x90\x01\n\x0bLayerBuffer\x12\x10\n\x08layer_id\x18\x01 \x01(\r\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.kvbroker.v1.BufferRole\x12&\n\x06memory\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.MemoryRef\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x10\n\x08item_len\x18\x05 \x01(\x04\"\xa3\x01\n\rComponentSpec\x12)\n\tcomponent\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.Component\x12#\n\x06layout\x18\x02 \x01(\x0e\x32\x13.kvbroker.v1.Layout\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12/\n\rlayer_buffers\x18\x04 \x03(\x0b\x32\x18.kvbroker.v1.LayerBuffer\"\xee\x01\n\x08Topology\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x14\n\x0c\x61ttn_tp_size\x18\x03 \x01(\r\x12\x14\n\x0c\x61ttn_tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07pp_size\x18\x05 \x01(\r\x12\x0f\n\x07pp_rank\x18\x06 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\r\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x13\n\x0bstart_layer\x18\t \x01(\r\x12\x11\n\tend_layer\x18\n \x01(\r\x12&\n\x08kv_dtype\x18\x0b \x01(\x0e\x32\x14.kvbroker.v1.KvDtype\"M\n\x0e\x43omponentPages\x12)\n\tcomponent\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.Component\x12\x10\n\x08page_ids\x18\x02 \x03(\r*\x9c\x01\n\tComponent\x12\x19\n\x15\x43OMPONENT_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OMPONENT_MAIN_KV\x10\x01\x12\x1d\n\x19\x43OMPONENT_MINIMAX_INDEX_K\x10\x02\x12\x1e\n\x1a\x43OMPONENT_MINIMAX_INDEX_KV\x10\x03\x12\x1e\n\x1a\x43OMPONENT_MINIMAX_DENSE_KV\x10\x04*F\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLAYOUT_FLAT\x10\x01\x12\x13\n\x0fLAYOUT_KV_SPLIT\x10\x02*e\n\nBufferRole\x12\x1b\n\x17\x42UFFER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42UFFER_ROLE_FLAT\x10\x01\x12\x11\n\rBUFFER_ROLE_K\x10\x02\x12\x11\n\rBUFFER_ROLE_V\x10\x03*\xc1\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04\x12\x18\n\x14KV_DTYPE_FLOAT8_E5M2\x10\x05\x12\x11\n\rKV_DTYPE_INT8\x10\x06\x12\x12\n\x0eKV_DTYPE_UINT8\x10\x07*T\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_HOST\x10\x01\x12\x13\n\x0fMEMORY_KIND_GPU\x10\x02*\xa5\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x1c\n\x18TRANSFER_STATE_SUCCEEDED\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04*c\n\x0cTransferRole\x12\x1d\n\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n\x16TRANSFER_ROLE_RECEIVER\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvbroker/v1/common.proto\x12\x0bkvbroker.v1\"/\n\x0fSharedMemoryRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"U\n\nCudaIpcRef\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\r\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x17\n\x0f\x61llocation_size\x18\x04 \x01(\x04\"w\n\tMemoryRef\x12\x35\n\rshared_memory\x18\x01 \x01(\x0b\x32\x1c.kvbroker.v1.SharedMemoryRefH\x00\x12+\n\x08\x63uda_ipc\x18\x02 \x01(\x0b\x32\x17.kvbroker.v1.CudaIpcRefH\x00\x42\x06\n\x04kind\"\x90\x01\n\x0bLayerBuffer\x12\x10\n\x08layer_id\x18\x01 \x01(\r\x12%\n\x04role\x18\x02 \x01(\x0e\x32\x17.kvbroker.v1.BufferRole\x12&\n\x06memory\x18\x03 \x01(\x0b\x32\x16.kvbroker.v1.MemoryRef\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x10\n\x08item_len\x18\x05 \x01(\x04\"\xa3\x01\n\rComponentSpec\x12)\n\tcomponent\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.Component\x12#\n\x06layout\x18\x02 \x01(\x0e\x32\x13.kvbroker.v1.Layout\x12\x11\n\tnum_pages\x18\x03 \x01(\r\x12/\n\rlayer_buffers\x18\x04 \x03(\x0b\x32\x18.kvbroker.v1.LayerBuffer\"\xee\x01\n\x08Topology\x12\x0f\n\x07tp_size\x18\x01 \x01(\r\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x14\n\x0c\x61ttn_tp_size\x18\x03 \x01(\r\x12\x14\n\x0c\x61ttn_tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07pp_size\x18\x05 \x01(\r\x12\x0f\n\x07pp_rank\x18\x06 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\r\x12\x11\n\tpage_size\x18\x08 \x01(\r\x12\x13\n\x0bstart_layer\x18\t \x01(\r\x12\x11\n\tend_layer\x18\n \x01(\r\x12&\n\x08kv_dtype\x18\x0b \x01(\x0e\x32\x14.kvbroker.v1.KvDtype\"a\n\x0e\x43omponentPages\x12)\n\tcomponent\x18\x01 \x01(\x0e\x32\x16.kvbroker.v1.Component\x12\x10\n\x08page_ids\x18\x02 \x03(\r\x12\x12\n\nsrc_offset\x18\x03 \x01(\r*\x9c\x01\n\tComponent\x12\x19\n\x15\x43OMPONENT_UNSPECIFIED\x10\x00\x12\x15\n\x11\x43OMPONENT_MAIN_KV\x10\x01\x12\x1d\n\x19\x43OMPONENT_MINIMAX_INDEX_K\x10\x02\x12\x1e\n\x1a\x43OMPONENT_MINIMAX_INDEX_KV\x10\x03\x12\x1e\n\x1a\x43OMPONENT_MINIMAX_DENSE_KV\x10\x04*F\n\x06Layout\x12\x16\n\x12LAYOUT_UNSPECIFIED\x10\x00\x12\x0f\n\x0bLAYOUT_FLAT\x10\x01\x12\x13\n\x0fLAYOUT_KV_SPLIT\x10\x02*e\n\nBufferRole\x12\x1b\n\x17\x42UFFER_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x42UFFER_ROLE_FLAT\x10\x01\x12\x11\n\rBUFFER_ROLE_K\x10\x02\x12\x11\n\rBUFFER_ROLE_V\x10\x03*\xc1\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x18\n\x14KV_DTYPE_FLOAT8_E4M3\x10\x04\x12\x18\n\x14KV_DTYPE_FLOAT8_E5M2\x10\x05\x12\x11\n\rKV_DTYPE_INT8\x10\x06\x12\x12\n\x0eKV_DTYPE_UINT8\x10\x07*T\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_HOST\x10\x01\x12\x13\n\x0fMEMORY_KIND_GPU\x10\x02*\xa5\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_PENDING\x10\x01\x12\x1f\n\x1bTRANSFER_STATE_TRANSFERRING\x10\x02\x12\x1c\n\x18TRANSFER_STATE_SUCCEEDED\x10\x03\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x04*c\n\x0cTransferRole\x12\x1d\n\x19TRANSFER_ROLE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRANSFER_ROLE_SENDER\x10\x01\x12\x1a\n\x16TRANSFER_ROLE_RECEIVER\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbroker.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COMPONENT']._serialized_start=932
-  _globals['_COMPONENT']._serialized_end=1088
-  _globals['_LAYOUT']._serialized_start=1090
-  _globals['_LAYOUT']._serialized_end=1160
-  _globals['_BUFFERROLE']._serialized_start=1162
-  _globals['_BUFFERROLE']._serialized_end=1263
-  _globals['_KVDTYPE']._serialized_start=1266
-  _globals['_KVDTYPE']._serialized_end=1459
-  _globals['_MEMORYKIND']._serialized_start=1461
-  _globals['_MEMORYKIND']._serialized_end=1545
-  _globals['_TRANSFERSTATE']._serialized_start=1548
-  _globals['_TRANSFERSTATE']._serialized_end=1713
-  _globals['_TRANSFERROLE']._serialized_start=1715
-  _globals['_TRANSFERROLE']._serialized_end=1814
+  _globals['_COMPONENT']._serialized_start=952
+  _globals['_COMPONENT']._serialized_end=1108
+  _globals['_LAYOUT']._serialized_start=1110
+  _globals['_LAYOUT']._serialized_end=1180
+  _globals['_BUFFERROLE']._serialized_start=1182
+  _globals['_BUFFERROLE']._serialized_end=1283
+  _globals['_KVDTYPE']._serialized_start=1286
+  _globals['_KVDTYPE']._serialized_end=1479
+  _globals['_MEMORYKIND']._serialized_start=1481
+  _globals['_MEMORYKIND']._serialized_end=1565
+  _globals['_TRANSFERSTATE']._serialized_start=1568
+  _globals['_TRANSFERSTATE']._serialized_end=1733
+  _globals['_TRANSFERROLE']._serialized_start=1735
+  _globals['_TRANSFERROLE']._serialized_end=1834
   _globals['_SHAREDMEMORYREF']._serialized_start=41
   _globals['_SHAREDMEMORYREF']._serialized_end=88
   _globals['_CUDAIPCREF']._serialized_start=90
@@ -59,5 +59,5 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOPOLOGY']._serialized_start=612
   _globals['_TOPOLOGY']._serialized_end=850
   _globals['_COMPONENTPAGES']._serialized_start=852
-  _globals['_COMPONENTPAGES']._serialized_end=929
+  _globals['_COMPONENTPAGES']._serialized_end=949
 # @@protoc_insertion_point(module_scope)

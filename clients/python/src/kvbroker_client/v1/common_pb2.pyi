@@ -172,9 +172,11 @@ class Topology(_message.Message):
     def __init__(self, tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., attn_tp_size: _Optional[int] = ..., attn_tp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_rank: _Optional[int] = ..., page_size: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., kv_dtype: _Optional[_Union[KvDtype, str]] = ...) -> None: ...
 
 class ComponentPages(_message.Message):
-    __slots__ = ("component", "page_ids")
+    __slots__ = ("component", "page_ids", "src_offset")
     COMPONENT_FIELD_NUMBER: _ClassVar[int]
     PAGE_IDS_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
     component: Component
     page_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, component: _Optional[_Union[Component, str]] = ..., page_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    src_offset: int
+    def __init__(self, component: _Optional[_Union[Component, str]] = ..., page_ids: _Optional[_Iterable[int]] = ..., src_offset: _Optional[int] = ...) -> None: ...

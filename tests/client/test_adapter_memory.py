@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from kvbroker_client import CudaIpcRef, SharedMemoryRef
-from kvbroker_client.shm import SharedSegment
-from kvbroker_sglang.memory import (
+from kvbroker_client.adapter.memory import (
     DeviceAllocation,
     HostMappings,
     Mapping,
@@ -20,6 +19,7 @@ from kvbroker_sglang.memory import (
     NotExportable,
     parse_maps,
 )
+from kvbroker_client.shm import SharedSegment
 
 
 def _address(array: np.ndarray) -> int:
@@ -60,7 +60,7 @@ def test_a_torch_tensor_shared_under_file_system_resolves_to_torchs_own_segment(
 
 def test_private_host_memory_is_refused_with_what_to_change():
     tensor = torch.zeros(1 << 20, dtype=torch.uint8)  # malloc'd: anonymous, private
-    with pytest.raises(NotExportable, match="private host memory.*host_pools") as raised:
+    with pytest.raises(NotExportable, match="private host memory.*SharedHostAllocations") as raised:
         MemoryExporter(cuda=False).ref(tensor.data_ptr(), tensor.nbytes, "kv_data_ptrs[3]")
     assert "kv_data_ptrs[3]" in str(raised.value)
 

@@ -1,14 +1,16 @@
-"""Raw pointers from SGLang's KVArgs as memory references a broker can open.
+"""Raw pointers into an inference engine's memory as memory references a broker can open.
 
-SGLang hands a transfer backend bare addresses (`kv_data_ptrs`, `state_data_ptrs`, ...) into its
-pools. A broker is another process, so each address must become something it can map:
+Engines hand a transfer backend bare addresses (SGLang's `kv_data_ptrs`, a vLLM tensor's data_ptr)
+into their pools. A broker is another process, so each address must become something it can map:
 
     host memory   the /dev/shm file whose shared mapping holds the address, and the offset in that
                   file (read from /proc/self/maps)                        -> SharedMemoryRef
     GPU memory    the CUDA IPC handle of the allocation that holds the address, and the offset in
                   it (cuMemGetAddressRange, cuIpcGetMemHandle)            -> CudaIpcRef
 
-    MemoryExporter().ref(address, length)   one region; raises NotExportable saying what to change
+    MemoryExporter(host_hint=...).ref(address, length)   one region; raises NotExportable saying what
+                                            to change (the adapter's hint: how its engine's host
+                                            pools are placed in shared memory)
     host_mappings(maps_text)                /proc/self/maps parsed: shared file mappings only
 
 What cannot be exported, and why: private host memory (plain malloc/torch CPU tensors, pinned host
@@ -227,23 +229,20 @@ class LibCuda:
         return _Primary()
 
 
-# -- both ----------------------------------------------------------------------------------------
-
-_HOST_HINT = ("kvbroker's SGLang plugin builds the host KV pools of SGLang's KV-cache configurator in shared "
-              "memory (kvbroker_sglang.host_pools); this buffer was allocated elsewhere (e.g. "
-              "--enable-unified-memory's single buffer, or a pool built outside SGLang's configurator): build it "
-              "under kvbroker_sglang.host_pools.SharedHostAllocations, move it with "
-              "untyped_storage()._share_filename_cpu_() before its address is cached, or keep the KV cache on the GPU")
+HOST_HINT = ("build it under kvbroker_client.adapter.hostmem.SharedHostAllocations (or move it with "
+             "hostmem.share_in_place) before its address is cached, or keep the KV cache on the GPU")
 _VMM_HINT = ("the allocation comes from CUDA's VMM API (PyTorch's expandable segments), which has no legacy "
-             "CUDA IPC handle: start SGLang with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False "
-             "(and no SGLANG_MOONCAKE_CUSTOM_MEM_POOL), or register broker-owned memory")
+             "CUDA IPC handle: start the server with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False, "
+             "or register broker-owned memory")
 
 
 class MemoryExporter:
     """Maps addresses to memory references; the process's mappings and GPU allocations are read once."""
 
-    def __init__(self, *, host: HostMappings | None = None, cuda: CudaDriver | None | bool = True) -> None:
+    def __init__(self, *, host: HostMappings | None = None, cuda: CudaDriver | None | bool = True,
+                 host_hint: str = HOST_HINT) -> None:
         self._host = host if host is not None else HostMappings.of_this_process()
+        self._host_hint = host_hint
         self._cuda: CudaDriver | None = LibCuda.load() if cuda is True else (cuda or None)
         self._handles: dict[tuple[int, int], bytes] = {}
 
@@ -259,7 +258,8 @@ class MemoryExporter:
             return self._cuda_ref(address, length, alloc, what)
         gpu = "" if self._cuda is not None else " (this process has no CUDA driver, so it is not GPU memory either)"
         raise NotExportable(f"{what} at {address:#x} (+{length} bytes) is private host memory "
-                            f"({self._host.explain(address)}){gpu}, which another process cannot open: {_HOST_HINT}")
+                            f"({self._host.explain(address)}){gpu}, which another process cannot open: "
+                            f"{self._host_hint}")
 
     def _cuda_ref(self, address: int, length: int, alloc: DeviceAllocation, what: str) -> CudaIpcRef:
         if not alloc.ipc_capable:
@@ -272,6 +272,10 @@ class MemoryExporter:
         if key not in self._handles:
             self._handles[key] = self._cuda.ipc_handle(alloc)
         return CudaIpcRef(self._handles[key], alloc.device, address - alloc.base, alloc.size)
+
+    def is_device_memory(self, address: int) -> bool:
+        """Whether `address` lies in a CUDA allocation of this process."""
+        return self._cuda is not None and self._cuda.allocation(int(address)) is not None
 
     def refs(self, addresses: Sequence[int], lengths: Sequence[int], what: str) -> list[MemoryRef]:
         if len(addresses) != len(lengths):

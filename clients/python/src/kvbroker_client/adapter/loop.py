@@ -1,4 +1,4 @@
-"""A dedicated asyncio loop on its own thread, for a synchronous caller (SGLang's scheduler loop).
+"""A dedicated asyncio loop on its own thread, for a synchronous caller (an engine's scheduler or worker).
 
     loop = LoopThread("kvbroker prefill-0/tp0")
     loop.run(coro, timeout=30)          block for a result, bounded (startup, shutdown)
@@ -7,7 +7,7 @@
     loop.close(timeout=10)              cancel every task still running, then stop and join
 
 Every task started here is tracked until it ends, so close() leaves none behind; a task's
-exception is logged where nothing awaits it. The scheduler never waits on the loop except through
+exception is logged where nothing awaits it. The engine never waits on the loop except through
 `run`, with a timeout.
 """
 

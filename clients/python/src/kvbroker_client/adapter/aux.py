@@ -1,9 +1,9 @@
-"""The aux payload: one request's row of SGLang's metadata buffers, moved as bytes with the last part.
+"""The aux payload: one request's rows of an engine's host metadata buffers, moved as bytes with the last part.
 
-SGLang's `MetadataBuffers` are CPU tensors, one row per request slot (first output token, cached-token
-counts, logprobs, hidden state, the bootstrap room). Mooncake writes the rows by RDMA; kvbroker moves
-them as the aux bytes of the last part, and the decode side writes them into its own row before it
-reports Success (decode checks the room in that row).
+An engine that keeps per-request metadata in host buffers (SGLang's `MetadataBuffers`: one row per
+request slot with the first output token, cached-token counts, logprobs, hidden state, the bootstrap
+room) has kvbroker move them as the aux bytes of the last part; the receiving side writes them into
+its own row before it reports the request done.
 
     encode_aux(ptrs, item_lens, index) -> bytes        prefill: the rows at `index`, read from memory
     decode_aux(payload) -> list[bytes]                  the rows, validated
@@ -11,7 +11,7 @@ reports Success (decode checks the room in that row).
 
 Wire format (little endian): b"KVBA", version u8, count u16, count × row length u32, the rows.
 Rows pair up by position, as upstream pairs aux buffers; a peer with more buffers has its extra
-rows ignored (SGLang's check_peer_aux_buffer_count logs that mismatch at registration).
+rows ignored (an engine may check the buffer counts at registration, as SGLang does).
 """
 
 from __future__ import annotations

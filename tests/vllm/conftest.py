@@ -1,0 +1,121 @@
+"""Fixtures of the vLLM tests: vLLM 0.32's own servers (.venv-vllm, built by scripts/setup.sh --test),
+started as users start them (kvbroker/tools/serving/vllm_stack.py): a non-PD reference server for the
+session, and per transfer engine a prefill and a decode server with kvbroker's connector, a broker
+beside each, behind vllm-router, shared by a module's tests.
+
+Every case leaves both servers serving and both brokers holding no request (`settled`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from kvbroker.tools.launch import BrokerProcess, start_broker
+from kvbroker.tools.serving import client, models, stack, vllm_stack
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+ANSWER_TOKENS = 8
+BLOCK = 32  # vllm_stack's --block-size
+# prefill holds a request's blocks this long for decode's offer; decode's grant lives this long
+CONNECTOR = {"hold_s": 60, "grant_expiry_s": 60}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/vllm/" in str(item.fspath):
+            item.add_marker(pytest.mark.servers)
+
+
+@pytest.fixture(scope="session")
+def vllm_log_root() -> Path:
+    return Path(tempfile.mkdtemp(prefix="kvbroker-vllm-"))
+
+
+@pytest.fixture(scope="session")
+def vllm_model() -> Path:
+    return models.llama()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+class Reference:
+    """The non-PD vLLM server and its greedy answers, by prompt."""
+
+    def __init__(self, deployment: vllm_stack.Deployment, http: aiohttp.ClientSession) -> None:
+        self.deployment = deployment
+        self._http = http
+        self._answers: dict[tuple[int, ...], list[int]] = {}
+
+    async def answer(self, prompt: list[int], tokens: int = ANSWER_TOKENS) -> list[int]:
+        key = (*prompt, -tokens)
+        if key not in self._answers:
+            got = await vllm_stack.complete(self._http, self.deployment.url, prompt, tokens)
+            self._answers[key] = got.output_ids
+        return self._answers[key]
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_reference(vllm_model, vllm_log_root, vllm_http) -> AsyncIterator[Reference]:
+    deployment = await vllm_stack.start_reference(vllm_model, vllm_log_root / "reference")
+    yield Reference(deployment, vllm_http)
+    await deployment.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_pd(backend, vllm_model, vllm_log_root) -> AsyncIterator[vllm_stack.Deployment]:
+    deployment = await vllm_stack.start_kvbroker_pd(vllm_model, vllm_log_root / f"pd-{backend}", backend, **CONNECTOR)
+    yield deployment
+    await deployment.stop()
+
+
+async def until(condition, timeout: float = 60.0, interval: float = 0.1):
+    """Poll an async `condition` until it is truthy or `timeout` passes; its last value (for states no
+    event announces: what a broker holds)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        held = await condition()
+        if held or loop.time() > deadline:
+            return held
+        await asyncio.sleep(interval)
+
+
+async def brokers_hold(deployment: vllm_stack.Deployment) -> dict[str, dict[str, int]]:
+    return {side: await stack.broker_holds(broker) for side, broker in deployment.brokers.items()}
+
+
+async def settled(deployment: vllm_stack.Deployment, reference: Reference, http: aiohttp.ClientSession) -> None:
+    """After a case: both brokers hold no request and keep their engine, and a fresh request through
+    the router answers as the reference does."""
+    async def idle():
+        held = await brokers_hold(deployment)
+        return held if all(h["live_requests"] == 0 for h in held.values()) else None
+
+    held = await until(idle, timeout=120)
+    assert held, f"a broker still holds requests: {await brokers_hold(deployment)}"
+    assert all(h["engines"] == 1 for h in held.values()), f"an engine is missing: {held}"
+    prompt = client.prompts(1, 3 * BLOCK + 5, seed=20_000)[0]
+    got = await vllm_stack.complete(http, deployment.url, prompt, ANSWER_TOKENS)
+    assert got.output_ids == await reference.answer(prompt), "the settling request"
+    assert all(s.alive() for s in deployment.servers.values())
+
+
+async def restart_broker(deployment: vllm_stack.Deployment, side: str, backend: str) -> BrokerProcess:
+    """The broker beside `side` stopped and started again on the same addresses."""
+    old = deployment.brokers[side]
+    await old.stop()
+    deployment.brokers[side] = await start_broker(old.broker_id, "--backend", backend, "--listen", old.listen,
+                                                  "--peer-listen", old.peer_listen)
+    return deployment.brokers[side]

@@ -1,0 +1,102 @@
+"""One broker fleet for both engines: an SGLang PD pair and a vLLM PD pair whose servers register with
+the same two brokers (NIXL), requests of both interleaved, each answering as its engine's non-PD
+server; the brokers hold both engines' registrations; and an SGLang sender into a vLLM receiver is
+refused by the broker's layout rule before any byte moves."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+
+import grpc
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from kvbroker.tools.launch import start_broker, start_brokers
+from kvbroker.tools.serving import client, stack, vllm_stack
+from kvbroker_client import BrokerClient, BrokerError, Component, FailedPrecondition, SharedMemoryRef
+from tests.vllm.conftest import ANSWER_TOKENS, CONNECTOR
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]  # seven servers start in minutes here
+SGLANG_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def fleet(vllm_model, vllm_log_root):
+    """The two brokers, and on them an SGLang PD stack (it stops them last) and a vLLM PD deployment."""
+    prefill, decode = await start_brokers(start_broker("fleet-prefill", "--backend", "nixl"),
+                                          start_broker("fleet-decode", "--backend", "nixl"))
+    log_dir = vllm_log_root / "fleet"
+    sglang_reference = await stack.start_reference(vllm_model, log_dir / "sglang-reference")
+    sglang = await stack.start_pd(vllm_model, log_dir / "sglang", transfer="kvbroker", engine="nixl", env=SGLANG_ENV,
+                                  brokers={"prefill": prefill, "decode": decode})
+    try:
+        connector = vllm_stack.kvbroker_connector(prefill, decode, name="kvbroker-fleet", **CONNECTOR)
+        vllm = await vllm_stack.start_pd(vllm_model, log_dir / "vllm", connector)
+    except BaseException:
+        await sglang.stop()
+        await sglang_reference.stop()
+        raise
+    yield sglang, vllm, sglang_reference
+    await vllm.stop()
+    await sglang.stop()
+    await sglang_reference.stop()
+
+
+async def test_sglang_and_vllm_requests_interleaved_on_one_broker_pair_each_answer_as_their_engine(
+        fleet, vllm_reference, vllm_http):
+    sglang, vllm, sglang_reference = fleet
+    prompts = [client.prompts(1, 30 + 25 * i, seed=300 + i)[0] for i in range(6)]
+
+    async def sglang_one(prompt):
+        answer = await client.generate(vllm_http, sglang.url, prompt, ANSWER_TOKENS)
+        greedy = await client.greedy(vllm_http, sglang_reference.url, prompt, ANSWER_TOKENS)
+        return await client.mismatch(lambda p, n: asyncio.sleep(0, greedy), prompt, answer.output_ids, ANSWER_TOKENS)
+
+    async def vllm_one(prompt):
+        answer = await vllm_stack.complete(vllm_http, vllm.url, prompt, ANSWER_TOKENS)
+        return None if answer.output_ids == await vllm_reference.answer(prompt) else answer.output_ids
+
+    results = await asyncio.gather(*(f(p) for p in prompts for f in (sglang_one, vllm_one)))
+    assert results == [None] * len(results), results
+    for side in ("prefill", "decode"):
+        held = await stack.broker_holds(sglang.brokers[side])
+        assert held["engines"] == 2, f"the {side} broker holds {held['engines']} engines, not SGLang's and vLLM's"
+
+
+async def test_an_sglang_sender_into_a_vllm_receiver_is_refused_by_the_layout_rule_and_writes_nothing(fleet):
+    sglang, vllm, _ = fleet
+    prefill, decode = sglang.brokers["prefill"], sglang.brokers["decode"]
+    async with await BrokerClient.connect(prefill.listen) as p, await BrokerClient.connect(decode.listen) as d:
+        p_info, d_info = await p.info(), await d.info()
+        sender = next(e for e in p_info.engines if "/vllm-" not in e.engine_id)  # SGLang's prefill engine
+        receiver = next(e for e in d_info.engines if "/vllm-" in e.engine_id)  # vLLM's decode engine
+        main = next(c for c in receiver.components if c.component is Component.MAIN_KV)
+        pages = np.arange(main.num_pages - 4, main.num_pages)  # vLLM hands out low block ids first
+        before = read_pages(main, pages)
+        await d.expect_transfer(receiver.engine_id, "fleet-mix-1", {Component.MAIN_KV: pages},
+                                sender_address=p_info.peer_address, sender_engine_id=sender.engine_id, expiry_s=30)
+        with pytest.raises(FailedPrecondition) as refused:
+            await p.transfer_part(sender.engine_id, "fleet-mix-1", {Component.MAIN_KV: np.arange(4)}, last=True)
+        assert refused.value.code is grpc.StatusCode.FAILED_PRECONDITION
+        assert "layout" in refused.value.reason, refused.value.reason
+        with pytest.raises(BrokerError):  # the grant ended (FAILED), not left writable
+            await d.wait(receiver.engine_id, "fleet-mix-1", timeout=30)
+        assert read_pages(main, pages) == before, "a byte of the refused request landed"
+
+
+def read_pages(component, pages) -> list[bytes]:
+    """The bytes of `pages` of every layer buffer of a component, read from its /dev/shm segment."""
+    out = []
+    for buffer in component.layer_buffers:
+        ref = buffer.memory
+        assert isinstance(ref, SharedMemoryRef), ref
+        fd = os.open(f"/dev/shm/{ref.name}", os.O_RDONLY)
+        try:
+            with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as view:
+                out += [view[ref.offset + p * buffer.item_len:ref.offset + (p + 1) * buffer.item_len] for p in pages]
+        finally:
+            os.close(fd)
+    return out
