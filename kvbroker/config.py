@@ -94,6 +94,16 @@ class Settings(BaseSettings):
                                                                   "host may hold")
     max_exchange_commands: int = Field(4096, gt=0, description="commands (parts, grants, watches) one Exchange "
                                                                "stream runs at once; more are refused")
+    max_stream_replies: int = Field(256, gt=0, description="replies one stream (Exchange, WatchTransfer, "
+                                                           "OpenSession, a peer's NotifyStream) holds for a client "
+                                                           "that has not read them; past it the broker reads no more "
+                                                           "of that stream's commands until the client reads")
+    max_stream_reply_bytes: int = Field(4 << 20, gt=0, description="bytes of the replies one stream holds for a "
+                                                                   "client that has not read them (a bigger reply "
+                                                                   "alone goes once none is held), bytes")
+    stream_stall_s: float = Field(30.0, gt=0, description="a stream whose reply has waited this long to be written "
+                                                          "(its client reads nothing) is ended RESOURCE_EXHAUSTED "
+                                                          "and all it held freed, seconds")
     max_engines: int = Field(1024, gt=0, description="engines registered at once")
     max_layer_buffers: int = Field(4096, gt=0, description="layer buffers of one engine, at registration and in a "
                                                            "peer's handshake answer")

@@ -38,6 +38,7 @@ from kvbroker.backends import create_backend, transports
 from kvbroker.config import Settings
 from kvbroker.edge.admission import NOTICE_STREAMS, Admission, PeerReads, RequestLimits, StreamQuota
 from kvbroker.edge.exchange import Exchanges
+from kvbroker.edge.outbox import StreamBounds
 from kvbroker.edge.peer_service import PeerServicer
 from kvbroker.edge.service import BrokerServicer
 from kvbroker.edge.tls import PeerTls
@@ -289,7 +290,9 @@ class BrokerServer:
         await broker.start()
         self.broker, self._peers = broker, peers
         calls = PeerCalls(s.max_peer_calls, s.max_peer_calls_per_peer)
-        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(PeerServicer(broker, gate, calls), peer_server)
+        streams = StreamBounds.from_settings(s)
+        peer_service_pb2_grpc.add_PeerServiceServicer_to_server(
+            PeerServicer(broker, gate, calls, streams=streams, observer=self.metrics), peer_server)
         if not s.peer_tls_ca and peer_listen.rpartition(":")[0] not in ("127.0.0.1", "[::1]", "localhost"):
             log.warning("the peer port %s accepts brokers it cannot authenticate; set peer_tls_cert, "
                         "peer_tls_key and peer_tls_ca for mutual TLS", peer_listen)
@@ -300,7 +303,8 @@ class BrokerServer:
                                      s.max_layer_buffers)
         local_admission = Admission(local_limits, trim=self._trim, counted=self.metrics.refusal("local"))
         local_server = self._grpc_server(BROKER_SERVICE, local_options, local_admission)
-        self._exchanges = Exchanges(broker, s.max_exchange_commands, settle_s=s.transfer_timeout_s)
+        self._exchanges = Exchanges(broker, s.max_exchange_commands, settle_s=s.transfer_timeout_s, bounds=streams,
+                                    observer=self.metrics)
         broker_service_pb2_grpc.add_BrokerServiceServicer_to_server(
             BrokerServicer(broker, s.unregister_wait_s, gate, data_plane, self._exchanges), local_server)
         if s.listen.startswith("unix:"):
@@ -312,6 +316,7 @@ class BrokerServer:
         health_listen = self._start_health_listener(s.health_listen) if s.health_listen else ""
         for server in self._servers:
             await server.start()
+        self.metrics.watch_loop(asyncio.get_running_loop())
         metrics_listen = self.metrics.serve(s.metrics_listen) if s.metrics_listen else ""
         for servicer, name in zip(self._health, (PEER_SERVICE, BROKER_SERVICE)):
             await servicer.set("", health_pb2.HealthCheckResponse.SERVING)

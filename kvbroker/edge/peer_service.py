@@ -14,7 +14,7 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 - NotifyParts: a sender reports parts of grants this broker offered; NotifyStream, the same (and
   OfferGrant) as messages on one long-lived stream, each answered in order with its seq, a refused
   one with its code in its answer while the stream goes on (admission.py bounds the streams and
-  their messages).
+  their messages; the answers go through an Outbox, outbox.py, which bounds what they hold).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
 from kvbroker.edge.codes import failure, translate_errors
+from kvbroker.edge.outbox import Outbox, StreamBounds, StreamObserver, serve
 from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine
@@ -31,10 +32,13 @@ from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 
 class PeerServicer(ppb_grpc.PeerServiceServicer):
-    def __init__(self, broker: Broker, gate: PeerGate, calls: PeerCalls | None = None) -> None:
+    def __init__(self, broker: Broker, gate: PeerGate, calls: PeerCalls | None = None, *,
+                 streams: StreamBounds | None = None, observer: StreamObserver | None = None) -> None:
         self._broker = broker
         self._gate = gate
         self._calls = calls if calls is not None else PeerCalls(1 << 30, 1 << 30)
+        self._streams = streams or StreamBounds()  # what a NotifyStream holds for a caller that does not read
+        self._observer = observer
 
     def _caller(self, request, context, *, hide_as_engine: str | None = None, held: bool = False) -> PeerIdentity:
         """Who calls, admitted (else PERMISSION_DENIED, or with `hide_as_engine` the answer an unknown
@@ -108,20 +112,29 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
         return ppb.NotifyPartsResponse(acks=self._take_notices(request, context))
 
     async def NotifyStream(self, requests, context):
-        async for request in requests:
-            try:
-                if request.HasField("offer"):
-                    offered = self._take_offer(request.offer, context)
-                else:
-                    acks = self._take_notices(request.notices, context)
-            except Exception as exc:  # the status a NotifyParts (OfferGrant) call would have ended with
-                code, reason = failure(exc, "NotifyStream")
-                yield ppb.NotifyStreamResponse(seq=request.seq, code=code.value[0], reason=reason)
-                continue
+        """Each request answered in turn through an Outbox: while the caller leaves its answers unread,
+        up to the stream's bound, no more of its requests are read (outbox.py)."""
+        async def answer_each(outbox: Outbox) -> None:
+            iterator = aiter(requests)
+            while True:
+                await outbox.room()
+                try:
+                    request = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+                await outbox.put(self._answer(request, context))
+
+        await serve(context, self._streams, "NotifyStream", answer_each, self._observer)
+
+    def _answer(self, request: ppb.NotifyStreamRequest, context) -> ppb.NotifyStreamResponse:
+        try:
             if request.HasField("offer"):
-                yield ppb.NotifyStreamResponse(seq=request.seq, offer=offered)
-            else:
-                yield ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=acks))
+                return ppb.NotifyStreamResponse(seq=request.seq, offer=self._take_offer(request.offer, context))
+            acks = self._take_notices(request.notices, context)
+        except Exception as exc:  # the status a NotifyParts (OfferGrant) call would have ended with
+            code, reason = failure(exc, "NotifyStream")
+            return ppb.NotifyStreamResponse(seq=request.seq, code=code.value[0], reason=reason)
+        return ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=acks))
 
     def _take_notices(self, request: ppb.NotifyPartsRequest, context) -> list[ppb.PartAck]:
         identity = self._caller(request, context)

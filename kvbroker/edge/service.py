@@ -1,4 +1,6 @@
-"""BrokerService servicer: proto in, domain call, proto out; domain errors become status codes."""
+"""BrokerService servicer: proto in, domain call, proto out; domain errors become status codes. The
+streams it writes (OpenSession, WatchTransfer; Exchange in exchange.py) write through an Outbox
+(outbox.py), bounded by the Exchanges' StreamBounds."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from kvbroker.core.errors import BrokerError
 from kvbroker.edge import convert
 from kvbroker.edge.codes import details, status_code, translate_errors
 from kvbroker.edge.exchange import Exchanges
+from kvbroker.edge.outbox import Outbox, serve
 from kvbroker.edge.trust import PeerGate
 from kvbroker.flows.broker import Broker
 from kvbroker_client.v1 import broker_service_pb2 as bpb
@@ -39,9 +42,13 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
             session = self._broker.open_session(request.holder)
         except BrokerError as exc:
             await context.abort(status_code(exc.code), details(exc.reason))
-        try:
-            yield bpb.OpenSessionResponse(session_id=session.session_id)
+
+        async def hold(outbox: Outbox) -> None:
+            await outbox.put(bpb.OpenSessionResponse(session_id=session.session_id))
             await self._broker.stopping.wait()  # or the caller goes: the handler is cancelled
+
+        try:
+            await serve(context, self.exchanges.bounds, "OpenSession", hold, self.exchanges.observer)
         finally:
             self._broker.end_session(session.session_id, self._unregister_wait_s)
 
@@ -75,9 +82,13 @@ class BrokerServicer(bpb_grpc.BrokerServiceServicer):
                                                offer_wait_s=_offer_wait_s(request.offer_wait_ms, context))
         except BrokerError as exc:
             await context.abort(status_code(exc.code), details(exc.reason))
-        async with contextlib.aclosing(updates):
-            async for status in updates:
-                yield bpb.WatchTransferResponse(status=convert.status_out(status))
+
+        async def follow(outbox: Outbox) -> None:
+            async with contextlib.aclosing(updates):
+                async for status in updates:
+                    await outbox.put(bpb.WatchTransferResponse(status=convert.status_out(status)))
+
+        await serve(context, self.exchanges.bounds, "WatchTransfer", follow, self.exchanges.observer)
 
     async def Exchange(self, request_iterator, context):
         """The command stream: each command the Broker call of its unary RPC (edge/exchange.py)."""

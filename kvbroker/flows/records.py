@@ -1,8 +1,8 @@
 """A request's record as one broker sees it: a core both roles share, and the side of the role it plays.
 
 - `TransferRecord`, the core: request id, engine, components, state and its cause, the counters
-  (pages, runs, bytes, parts), the timestamps, the watchers; `snapshot` is what servicers see
-  (`TransferStatus`).
+  (pages, runs, bytes, parts), the timestamps, the watchers (each a `Watcher`, bounded); `snapshot`
+  is what servicers see (`TransferStatus`).
 - `GrantRecord`, the receiver's side: the grant's destination pages, its expiry, offered or
   claimed (`OfferedGrant`, or the claim's claimant, token and pages), the aux handed out with
   SUCCEEDED, and the fence under way (`ending`) of an offered grant failing.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -57,6 +58,35 @@ class Grant:
     remaining_s: float
 
 
+WATCH_BACKLOG = 16  # statuses one watcher holds unread before changes of one state fold into the latest
+
+
+class Watcher:
+    """One watch's statuses not taken yet: past WATCH_BACKLOG of them, a status of the state the latest
+    held one has replaces it (a status carries every count so far), so that a watch nobody reads
+    holds a bounded number, and each change of state is still seen."""
+
+    def __init__(self) -> None:
+        self._held: deque[TransferStatus] = deque()
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def put_nowait(self, status: TransferStatus) -> None:
+        if len(self._held) >= WATCH_BACKLOG and self._held[-1].state is status.state:
+            self._held[-1] = status
+        else:
+            self._held.append(status)
+        self._ready.set()
+
+    async def get(self) -> TransferStatus:
+        while not self._held:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._held.popleft()
+
+
 @dataclass(eq=False)
 class TransferRecord:
     """The core of a request's record, whatever its role."""
@@ -77,7 +107,7 @@ class TransferRecord:
     component_pages: dict[Component, int] = field(default_factory=dict)  # offered flow: pages per component
     transferring_at: float | None = None
     finished: float | None = None
-    watchers: set[asyncio.Queue[TransferStatus]] = field(default_factory=set)
+    watchers: set[Watcher] = field(default_factory=set)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

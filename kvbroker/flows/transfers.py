@@ -51,6 +51,7 @@ from kvbroker.flows.records import (
     SendRecord,
     TransferRecord,
     TransferStatus,
+    Watcher,
     ended_error,
 )
 
@@ -323,7 +324,7 @@ def _cancel_timer(record: GrantRecord) -> None:
 
 
 async def _statuses(record: TransferRecord, states_only: bool, terminal_only: bool) -> AsyncIterator[TransferStatus]:
-    queue: asyncio.Queue[TransferStatus] = asyncio.Queue()
+    queue = Watcher()
     record.watchers.add(queue)
     try:
         status = record.snapshot()

@@ -30,6 +30,8 @@ REFUSAL_REASONS = {"local": ("too_large", "malformed", "too_many_entries"),
                    "peer": ("too_large", "malformed", "too_many_entries", "no_read_slot", "no_message",
                             "notice_streams")}
 
+STREAMS = ("Exchange", "WatchTransfer", "OpenSession", "NotifyStream")  # the streams the broker writes (edge/outbox.py)
+
 # From one small page on loopback (well under a millisecond) to the default transfer timeout.
 SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -97,6 +99,23 @@ class Metrics:
             "kvbroker_refused_requests",
             "Requests refused before their handler saw them (edge/admission.py), per port and reason",
             ["port", "reason"], registry=r)
+        self.streams_open = Gauge("kvbroker_streams_open", "Streams the broker writes that are open, per stream "
+                                  "(Exchange, WatchTransfer, OpenSession, NotifyStream)", ["stream"], registry=r)
+        self.stream_replies = Gauge("kvbroker_stream_replies_held", "Replies the broker holds for clients that "
+                                    "have not read them yet, per stream (bounded per stream by max_stream_replies)",
+                                    ["stream"], registry=r)
+        self.stream_reply_bytes = Gauge("kvbroker_stream_reply_bytes_held", "Bytes of kvbroker_stream_replies_held "
+                                        "(bounded per stream by max_stream_reply_bytes)", ["stream"], registry=r)
+        self.streams_stalled = Counter("kvbroker_streams_stalled", "Streams ended RESOURCE_EXHAUSTED because a "
+                                       "reply waited stream_stall_s to be written, per stream", ["stream"],
+                                       registry=r)
+        self.exchange_commands = Gauge("kvbroker_exchange_commands", "Command slots of Exchange streams taken "
+                                       "(commands in flight, and cancelled ones whose Broker call still runs)",
+                                       registry=r)
+        self.loop_tasks = Gauge("kvbroker_event_loop_tasks", "Tasks on the broker's event loop", registry=r)
+        for stream in STREAMS:
+            for family in (self.streams_open, self.stream_replies, self.stream_reply_bytes, self.streams_stalled):
+                family.labels(stream)
         for kind in (Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV):  # zeros first
             self.registered_bytes.labels(kind.name)
             for role in ("sender", "receiver"):
@@ -165,6 +184,27 @@ class Metrics:
         self.offers.inc()
         if streamed:
             self.offers_streamed.inc()
+
+    def stream_opened(self, stream: str) -> None:
+        self.streams_open.labels(stream).inc()
+
+    def stream_closed(self, stream: str) -> None:
+        self.streams_open.labels(stream).dec()
+
+    def replies_held(self, stream: str, replies: int, nbytes: int) -> None:
+        """A stream's Outbox holds `replies` more replies of `nbytes` more bytes (negative: fewer)."""
+        self.stream_replies.labels(stream).inc(replies)
+        self.stream_reply_bytes.labels(stream).inc(nbytes)
+
+    def stream_stalled(self, stream: str) -> None:
+        self.streams_stalled.labels(stream).inc()
+
+    def commands_held(self, delta: int) -> None:
+        self.exchange_commands.inc(delta)
+
+    def watch_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Count `loop`'s tasks when scraped (asyncio.all_tasks retries while the loop changes them)."""
+        self.loop_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
 
     def refusal(self, port: str) -> Callable[[str], None]:
         """What Admission calls on `port` ("local" or "peer") for each request it refuses, with the

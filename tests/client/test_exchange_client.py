@@ -1,6 +1,7 @@
 """BrokerClient on the Exchange stream against real brokers: the offered flow on one stream per
-client, a broken stream opened again with the wait reporting how the broker ended its request, and
-the unary calls where the stream is not offered."""
+client, a broken stream opened again with the wait reporting how the broker ended its request, a
+watch its caller leaves or lets reach its deadline leaving no command on the broker, and the unary
+calls where the stream is not offered."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvbroker.edge.exchange import END_REASON
-from kvbroker_client import Cancelled, Component, TransferState
+from kvbroker_client import Cancelled, Component, DeadlineExceeded, TransferState
 from tests.client.conftest import assert_pool_equals, connect, expected_destination, fragmented, unique
 from tests.client.engines import pool_engine
 
@@ -65,6 +66,33 @@ async def test_a_broken_stream_is_opened_again_and_the_wait_reports_the_request_
     assert granted.state is TransferState.PENDING and decode_client.exchange.streams_opened == 2
     await prefill_client.transfer_part(src.engine_id, again, {MAIN: [3, 4]}, last=True)
     assert (await decode_client.wait(dst.engine_id, again, timeout=30)).state is TransferState.SUCCEEDED
+
+
+async def test_a_watch_left_by_its_caller_or_its_deadline_leaves_no_command_on_the_broker(brokers_of_test, pools):
+    """On a broker that runs two commands per stream: six watches of a grant that stays PENDING, each
+    left after its first status or at its deadline, one after another on one stream. Each frees its
+    slot: the stream takes the next, and the client cancelled each (no slot is waited out)."""
+    broker = await brokers_of_test.start("--max-exchange-commands", "2")
+    client = await connect(broker.listen)
+    try:
+        dst = pool_engine(pools, unique("decode"), fill="canary", sparse_layers=())
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        rid = unique("req")
+        await client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1, 2], expiry_s=600)
+        for _ in range(3):
+            watching = client.watch(dst.engine_id, rid, timeout=60)
+            assert (await anext(watching)).state is TransferState.PENDING
+            await watching.aclose()  # the caller stops iterating
+            with pytest.raises(DeadlineExceeded):
+                await client.wait(dst.engine_id, rid, timeout=0.2)
+        assert await client.exchange.cancels_answered(30)
+        assert client.exchange.cancels_sent == 6 and client.exchange.streams_opened == 1
+        both = [client.watch(dst.engine_id, rid, timeout=60) for _ in range(2)]  # both slots are free
+        assert [(await anext(w)).state for w in both] == [TransferState.PENDING] * 2
+        for watching in both:
+            await watching.aclose()
+    finally:
+        await client.close()
 
 
 @pytest.mark.parametrize("without", ["exchange=False", "no stream offered"])

@@ -8,7 +8,8 @@ UNKNOWN or INTERNAL; both brokers are alive and SERVING; the canary engine's mem
 the canary only where a granted transfer that succeeded wrote (or, for a transfer a session's end
 may cut short after its write, where the grant allowed). After each test a legitimate
 transfer into the canary engine still moves every byte. One test plays a lying peer broker; one
-holds engines under OpenSession streams and ends them under registrations, grants and transfers.
+holds engines under OpenSession streams and ends them under registrations, grants and transfers;
+one sends watches, pings and cancels (good, bad and floods of them) on Exchange streams.
 
 Hypothesis drives synchronous code, so each test runs its @given function in a worker thread
 with blocking stubs while the session loop keeps draining the brokers' pipes. Examples are
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -492,6 +494,146 @@ async def test_fuzz_cancel_transfer(world):
         reply, _ = fuzzer.call(fuzzer.local[where].CancelTransfer, request, "CancelTransfer")
         if reply is not None:
             assert reply.status.state in TERMINAL
+
+    await run_fuzz(world, run)
+
+
+# -- the Exchange stream's cancel: a command named by its id ends, a bad cancel gets its status -------
+
+CODE_NAMES = {code.value[0]: code for code in grpc.StatusCode}
+WATCH_TIMEOUTS_MS = st.sampled_from([0, 0, 1, 50, 200])
+
+
+def last_reply(reply: bpb.ExchangeResponse) -> bool:
+    """Whether `reply` is its command's last: an error, a pong, a cancel's answer, a terminal status."""
+    kind = reply.WhichOneof("reply")
+    return kind != "watch" or reply.watch.status.state in TERMINAL
+
+
+def cancel_target(data, kind: str, upcoming: int) -> int:
+    """What a cancel sent as command `upcoming` names: a command sent before it, an id never sent, the
+    command after it, 0, or itself."""
+    if kind == "sent":
+        return data.draw(st.integers(1, max(1, upcoming - 1)))
+    if kind == "unknown":
+        return data.draw(st.integers(1 << 32, 2**64 - 1 - 500))
+    return {"later": upcoming + 1, "zero": 0}.get(kind, upcoming)
+
+
+class ExchangeExample:
+    """One Exchange stream of one example: the commands it sent (id → kind, a cancel's target), and
+    every reply in the order the broker wrote them."""
+
+    def __init__(self, fuzzer: Fuzzer, where: str) -> None:
+        self.f, self.where = fuzzer, where
+        self.requests: queue.Queue[bpb.ExchangeRequest | None] = queue.Queue()
+        self.call = fuzzer.local[where].Exchange(iter(self.requests.get, None), timeout=CALL_TIMEOUT_S)
+        self.sent: dict[int, str] = {}
+        self.targets: dict[int, int] = {}  # cancel id → the id it names
+        self.replies: list[bpb.ExchangeResponse] = []
+        self.last: dict[int, int] = {}  # command id → the index of its last reply
+        self.ids = itertools.count(1)
+
+    def send(self, kind: str, **command) -> int:
+        command_id = next(self.ids)
+        self.sent[command_id] = kind
+        self.requests.put(bpb.ExchangeRequest(command_id=command_id, **command))
+        return command_id
+
+    def cancel(self, target: int) -> int:
+        command_id = self.send("cancel", cancel=bpb.ExchangeCancel(command_id=target))
+        self.targets[command_id] = target
+        return command_id
+
+    def read_all(self) -> None:
+        """Read until every command sent has its last reply (a reply that never comes runs into the call's
+        deadline: a hang)."""
+        while len(self.last) < len(self.sent):
+            try:
+                reply = next(self.call)
+            except grpc.RpcError as exc:
+                pytest.fail(f"the Exchange stream ended with {exc.code().name} ({exc.details()}) with "
+                            f"{sorted(set(self.sent) - set(self.last))[:10]} unanswered")
+            assert reply.command_id in self.sent, f"a reply to a command never sent: {reply}"
+            assert reply.command_id not in self.last, f"a reply after command {reply.command_id}'s last: {reply}"
+            if reply.WhichOneof("reply") == "error":
+                code = CODE_NAMES.get(reply.error.code)
+                name = code.name if code else reply.error.code
+                self.f.outcomes[f"Exchange {self.sent[reply.command_id]} {name}"] += 1
+                assert code in DOCUMENTED, f"Exchange answered {reply.error.code} ({reply.error.message})"
+            if last_reply(reply):
+                self.last[reply.command_id] = len(self.replies)
+            self.replies.append(reply)
+
+    def check_cancels(self) -> None:
+        """Each cancel's answer: precise, and consistent with what became of the command it named."""
+        cancelled = Counter()
+        for cancel_id, target in self.targets.items():
+            answer = self.replies[self.last[cancel_id]]
+            kind = answer.WhichOneof("reply")
+            if target in (0, cancel_id):
+                assert kind == "error" and CODE_NAMES[answer.error.code] is grpc.StatusCode.INVALID_ARGUMENT, answer
+                assert answer.error.message.startswith("cancel.command_id: "), answer
+            elif target not in self.sent or target > cancel_id:
+                assert kind == "error" and CODE_NAMES[answer.error.code] is grpc.StatusCode.NOT_FOUND, answer
+                assert f"no command {target} is in flight" in answer.error.message, answer
+            elif kind == "cancelled":
+                assert answer.cancelled.command_id == target
+                ended = self.replies[self.last[target]]
+                assert self.last[target] < self.last[cancel_id], "a cancel answered before its command's last reply"
+                assert CODE_NAMES[ended.error.code] is grpc.StatusCode.CANCELLED, ended
+                cancelled[target] += 1
+                self.f.outcomes["Exchange cancel took"] += 1
+            else:  # it ended before the cancel was read: its last reply came first
+                assert kind == "error" and CODE_NAMES[answer.error.code] is grpc.StatusCode.NOT_FOUND, answer
+                assert self.last[target] < self.last[cancel_id], answer
+        assert all(n == 1 for n in cancelled.values()), f"a command cancelled twice: {cancelled}"
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.call.cancel()
+
+
+async def test_fuzz_exchange_cancel(world):
+    """Per example, on one Exchange stream: watches (drawn, maybe mutated, with deadlines or none) and
+    pings, interleaved with cancels naming a command of the stream (in flight or ended), one never
+    sent, one sent later, 0, the cancel itself, or floods of them; then a cancel of every watch. Each
+    command gets exactly one last reply, each cancel exactly one answer, as the cancel's rules say;
+    the broker stays alive and serving."""
+    @FUZZ
+    @given(st.data(), st.sampled_from(["decode", "decode", "decode", "prefill"]))
+    def run(fuzzer, data, where):
+        w = fuzzer.w
+        example = ExchangeExample(fuzzer, where)
+        here, there = (w.canary, w.src) if where == "decode" else (w.src, w.canary)
+        try:
+            watches = []
+            for _ in range(data.draw(st.integers(1, 10), label="steps")):
+                step = data.draw(st.sampled_from(["watch", "watch", "ping", "cancel", "cancel", "flood"]))
+                if step == "watch":  # mostly of the pending grant, which no watch sees end
+                    seed = bpb.WatchTransferRequest(
+                        engine_id=data.draw(st.sampled_from([here.engine_id] * 3 + [there.engine_id])),
+                        request_id=data.draw(st.sampled_from(["fuzz-pending", "fuzz-pending", "r-0"])),
+                        states_only=data.draw(st.booleans()), terminal_only=data.draw(st.booleans()))
+                    request = mutated(data, seed, w.known, most=1)
+                    request.offer_wait_ms = min(request.offer_wait_ms, 50)
+                    watches.append(example.send("watch", watch=request, timeout_ms=data.draw(WATCH_TIMEOUTS_MS)))
+                elif step == "ping":
+                    example.send("ping", ping=bpb.ExchangePing(payload=data.draw(st.binary(max_size=64))))
+                else:  # a flood: distinct unknown ids, or the same target again and again
+                    count = data.draw(st.integers(50, 500)) if step == "flood" else 1
+                    kind = data.draw(st.sampled_from(["sent", "sent", "unknown", "later", "zero", "self"]))
+                    first = cancel_target(data, kind, len(example.sent) + 1)
+                    for n in range(count):
+                        upcoming = len(example.sent) + 1
+                        example.cancel({"unknown": first + n, "self": upcoming}.get(kind, first))
+            for watch_id in watches:  # leave nothing behind: a cancel of each watch, ended or not
+                example.cancel(watch_id)
+            example.read_all()
+            example.check_cancels()
+        finally:
+            example.close()
+        fuzzer.check_alive("Exchange", f"{len(example.sent)} commands")
 
     await run_fuzz(world, run)
 

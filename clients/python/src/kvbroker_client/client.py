@@ -54,6 +54,7 @@ new pool (`lost_engines` lists them; their calls raise NotFound saying so).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -399,7 +400,9 @@ class BrokerClient:
         most its offer_wait_s) for the receiver's offer naming the engine before NOT_FOUND (a broker
         before the option answers at once).
 
-        A stream the broker cuts (it stopped before the request ended) raises Unavailable.
+        A stream the broker cuts (it stopped before the request ended) raises Unavailable. On the
+        Exchange stream, a watch left before its end (the caller stopped iterating, or the deadline
+        passed) is cancelled on the broker, which also ends it at the deadline itself.
         """
         deadline = self._deadline(timeout, self.transfer_timeout)
         request = bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id, states_only=states_only,
@@ -407,8 +410,9 @@ class BrokerClient:
                                            offer_wait_ms=max(0, round(offer_wait_s * 1000)))
         if self._exchanged():
             try:
-                async for status in self._watch_exchanged(request, deadline):
-                    yield status
+                async with contextlib.aclosing(self._watch_exchanged(request, deadline)) as statuses:
+                    async for status in statuses:
+                        yield status
                 return
             except ExchangeUnsupported:
                 pass
@@ -435,8 +439,9 @@ class BrokerClient:
         assert self.exchange is not None
         for attempt in range(2):
             try:
-                async for reply in self.exchange.watch(request, self._remaining(deadline)):
-                    yield TransferStatus.from_proto(reply)
+                async with contextlib.aclosing(self.exchange.watch(request, self._remaining(deadline))) as replies:
+                    async for reply in replies:  # left early, its close cancels the watch on the broker
+                        yield TransferStatus.from_proto(reply)
                 return
             except StreamBroken as exc:
                 if attempt:

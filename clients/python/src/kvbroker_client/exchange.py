@@ -4,9 +4,14 @@
 while the broker offers the stream:
 - `command(kind, request, timeout)`: one command (kind "transfer" or "expect"), its reply message,
   or the typed error (kvbroker_client.errors) of the ExchangeError the broker answered;
-- `watch(request, timeout)`: the statuses of one request, ending after a terminal one;
+- `watch(request, timeout)`: the statuses of one request, ending after a terminal one; the broker
+  ends the watch at the same deadline (timeout_ms);
 - `close()`.
 Each command goes out under an id of its own, and one reader task hands each reply to its caller.
+A caller that stops waiting before the command's last reply (its deadline passed, it was
+cancelled, it stopped iterating a watch) leaves nothing behind on the broker: a cancel naming the
+command goes out on the same stream (ExchangeCancel), sent and answered in a task the Exchange owns,
+so that the broker frees the command's slot at once.
 When the stream breaks (the broker went, or drained), every command in flight raises StreamBroken
 (an Unavailable: its outcome is unknown), and the next command opens a new stream; the broker fails
 the requests the broken stream carried (CANCELLED), which a watch made again on the new stream
@@ -31,6 +36,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 log = logging.getLogger(__name__)
 
 _TERMINAL = (pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED)
+CANCEL_WAIT_S = 10.0  # how long a cancel of a command its caller left waits for the broker's answer
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -55,22 +61,34 @@ class Exchange:
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[bpb.ExchangeResponse]] = {}
         self._watches: dict[int, asyncio.Queue[bpb.ExchangeResponse | BaseException]] = {}
+        self._cancels: set[asyncio.Task] = set()  # cancels of commands their callers left, on their way
         self.streams_opened = 0
+        self.cancels_sent = 0
+
+    async def cancels_answered(self, timeout: float) -> bool:
+        """Wait up to `timeout` until every cancel of a left command has been answered (or given up on);
+        whether they all were."""
+        if self._cancels:
+            await asyncio.wait(list(self._cancels), timeout=timeout)
+        return not self._cancels
 
     async def command(self, kind: str, request, timeout: float) -> bpb.ExchangeResponse:
         """Send one command and wait up to `timeout` for its reply."""
         command_id = next(self._ids)
         future: asyncio.Future[bpb.ExchangeResponse] = asyncio.get_running_loop().create_future()
         self._pending[command_id] = future
+        call = None
         try:
-            await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout), **{kind: request}),
-                             timeout)
+            call = await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout),
+                                                        **{kind: request}), timeout)
             try:
                 reply = await asyncio.wait_for(future, timeout)
             except TimeoutError:
                 raise DeadlineExceeded(f"no answer to the {kind} command within {timeout:.3g}s") from None
         finally:
             self._pending.pop(command_id, None)
+            if call is not None and not future.done():
+                self._abandon(call, command_id)
         if reply.WhichOneof("reply") == "error":
             raise _error(reply.error)
         return reply
@@ -86,8 +104,10 @@ class Exchange:
         command_id = next(self._ids)
         queue: asyncio.Queue[bpb.ExchangeResponse | BaseException] = asyncio.Queue()
         self._watches[command_id] = queue
+        call, ended = None, False
         try:
-            await self._send(bpb.ExchangeRequest(command_id=command_id, watch=request), timeout)
+            call = await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout), watch=request),
+                                    timeout)
             while True:
                 try:
                     item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
@@ -95,22 +115,59 @@ class Exchange:
                     raise DeadlineExceeded(f"the watch of request {request.request_id!r} did not end within "
                                            f"{timeout:.3g}s") from None
                 if isinstance(item, BaseException):
+                    ended = True
                     raise item
                 if item.WhichOneof("reply") == "error":
+                    ended = True
                     raise _error(item.error)
+                ended = item.watch.status.state in _TERMINAL
                 yield item.watch.status
-                if item.watch.status.state in _TERMINAL:
+                if ended:
                     return
         finally:
             self._watches.pop(command_id, None)
+            if call is not None and not ended:
+                self._abandon(call, command_id)
 
-    async def _send(self, message: bpb.ExchangeRequest, timeout: float) -> None:
+    def _abandon(self, call: grpc.aio.StreamStreamCall, command_id: int) -> None:
+        """The caller left command `command_id` before its last reply: cancel it on the broker, from a task
+        of this Exchange (a caller may leave from a finally, a generator's close, or a cancellation)."""
+        if call is not self._call or call.done():
+            return  # the stream it went on is gone, and the broker ended its commands with it
+        task = asyncio.get_running_loop().create_task(self._cancel(call, command_id),
+                                                      name=f"kvbroker exchange cancel {command_id}")
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+
+    async def _cancel(self, call: grpc.aio.StreamStreamCall, command_id: int) -> None:
+        cancel_id = next(self._ids)
+        future: asyncio.Future[bpb.ExchangeResponse] = asyncio.get_running_loop().create_future()
+        self._pending[cancel_id] = future
+        try:
+            async with asyncio.timeout(CANCEL_WAIT_S):
+                async with self._write_lock:
+                    await call.write(bpb.ExchangeRequest(command_id=cancel_id,
+                                                         cancel=bpb.ExchangeCancel(command_id=command_id)))
+                self.cancels_sent += 1
+                reply = await future
+            # NOT_FOUND: the command ended as the cancel went out
+            log.debug("command %d cancelled on %s: %s", command_id, self._target, reply.WhichOneof("reply"))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, StreamBroken,
+                ExchangeUnsupported, TimeoutError) as exc:
+            # the stream ended meanwhile (its end frees the command), or the broker did not answer in time
+            log.debug("cancel of command %d on %s: %s: %s", command_id, self._target, type(exc).__name__, exc)
+        finally:
+            self._pending.pop(cancel_id, None)
+
+    async def _send(self, message: bpb.ExchangeRequest, timeout: float) -> grpc.aio.StreamStreamCall:
+        """Write `message` on the stream (opened first if none is); the stream it went on."""
         if self.supported is False:
             raise ExchangeUnsupported()
         call = self._call or await self._open(timeout)
         try:
             async with self._write_lock:
                 await call.write(message)
+            return call
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             # the stream ended under the write: the reader tells every caller why, this one included
             if self._reader is not None and not self._reader.done():
@@ -182,6 +239,9 @@ class Exchange:
             queue.put_nowait(error)
 
     async def close(self) -> None:
+        for task in list(self._cancels):
+            task.cancel()
+        await asyncio.gather(*self._cancels, return_exceptions=True)
         call, reader = self._call, self._reader
         self._call = self._reader = None
         if call is not None:

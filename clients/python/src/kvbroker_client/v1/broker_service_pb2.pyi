@@ -284,20 +284,28 @@ class TransferStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.TransferRole, str]] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., pages: _Optional[int] = ..., runs: _Optional[int] = ..., bytes: _Optional[int] = ..., truncated_pages: _Optional[int] = ..., duration_us: _Optional[int] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., aux: _Optional[bytes] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("command_id", "timeout_ms", "transfer", "expect", "watch", "ping")
+    __slots__ = ("command_id", "timeout_ms", "transfer", "expect", "watch", "ping", "cancel")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     WATCH_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     timeout_ms: int
     transfer: TransferRequest
     expect: ExpectTransferRequest
     watch: WatchTransferRequest
     ping: ExchangePing
-    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferRequest, _Mapping]] = ..., expect: _Optional[_Union[ExpectTransferRequest, _Mapping]] = ..., watch: _Optional[_Union[WatchTransferRequest, _Mapping]] = ..., ping: _Optional[_Union[ExchangePing, _Mapping]] = ...) -> None: ...
+    cancel: ExchangeCancel
+    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferRequest, _Mapping]] = ..., expect: _Optional[_Union[ExpectTransferRequest, _Mapping]] = ..., watch: _Optional[_Union[WatchTransferRequest, _Mapping]] = ..., ping: _Optional[_Union[ExchangePing, _Mapping]] = ..., cancel: _Optional[_Union[ExchangeCancel, _Mapping]] = ...) -> None: ...
+
+class ExchangeCancel(_message.Message):
+    __slots__ = ("command_id",)
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    command_id: int
+    def __init__(self, command_id: _Optional[int] = ...) -> None: ...
 
 class ExchangePing(_message.Message):
     __slots__ = ("payload",)
@@ -306,20 +314,22 @@ class ExchangePing(_message.Message):
     def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
 
 class ExchangeResponse(_message.Message):
-    __slots__ = ("command_id", "transfer", "expect", "watch", "error", "pong")
+    __slots__ = ("command_id", "transfer", "expect", "watch", "error", "pong", "cancelled")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     WATCH_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     transfer: TransferResponse
     expect: ExpectTransferResponse
     watch: WatchTransferResponse
     error: ExchangeError
     pong: ExchangePing
-    def __init__(self, command_id: _Optional[int] = ..., transfer: _Optional[_Union[TransferResponse, _Mapping]] = ..., expect: _Optional[_Union[ExpectTransferResponse, _Mapping]] = ..., watch: _Optional[_Union[WatchTransferResponse, _Mapping]] = ..., error: _Optional[_Union[ExchangeError, _Mapping]] = ..., pong: _Optional[_Union[ExchangePing, _Mapping]] = ...) -> None: ...
+    cancelled: ExchangeCancel
+    def __init__(self, command_id: _Optional[int] = ..., transfer: _Optional[_Union[TransferResponse, _Mapping]] = ..., expect: _Optional[_Union[ExpectTransferResponse, _Mapping]] = ..., watch: _Optional[_Union[WatchTransferResponse, _Mapping]] = ..., error: _Optional[_Union[ExchangeError, _Mapping]] = ..., pong: _Optional[_Union[ExchangePing, _Mapping]] = ..., cancelled: _Optional[_Union[ExchangeCancel, _Mapping]] = ...) -> None: ...
 
 class ExchangeError(_message.Message):
     __slots__ = ("code", "message")

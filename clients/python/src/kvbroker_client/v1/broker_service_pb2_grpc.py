@@ -92,7 +92,8 @@ class BrokerServiceServicer:
         response carries the session id to name in RegisterEngineRequest.session_id. When the stream
         ends for any reason (the server cancels it, exits or crashes), the broker unregisters every
         engine registered under it, as UnregisterEngine would. The broker ends the stream itself (OK)
-        only when it shuts down.
+        only when it shuts down, or (RESOURCE_EXHAUSTED, stream_stall_s) when the client leaves the
+        session id unread that long.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,7 +128,10 @@ class BrokerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchTransfer(self, request, context):
-        """Streams the state changes of one request on this broker, starting with the current state.
+        """Streams the state changes of one request on this broker, starting with the current state. For
+        a client that does not read them, the broker holds at most max_stream_replies of them (past
+        that, changes of one state are folded into the latest, which carries the counts so far) and
+        ends the stream RESOURCE_EXHAUSTED (stream_stall_s) when one waits that long to be written.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -158,7 +162,13 @@ class BrokerServiceServicer:
         CancelTransfer fails it (its peer is told). A message refused before it is read (too large,
         too many page ids, not parsable) is answered with its refusal under its command_id, which must
         lead the message (protobuf writes field 1 first); one whose command_id cannot be read ends the
-        stream with that status. A broker without this RPC answers UNIMPLEMENTED: use the unary ones.
+        stream with that status. A command in flight is ended by a cancel naming it (ExchangeCancel);
+        a watch ends at its request's end, or at its timeout_ms. The broker queues at most
+        max_stream_replies replies (max_stream_reply_bytes bytes) the client has not read; past that it
+        reads no more commands of the stream until the client reads, and a stream whose reply waits
+        longer than stream_stall_s to be written ends RESOURCE_EXHAUSTED naming that setting (its
+        requests fail CANCELLED, as at any end). A broker without this RPC answers UNIMPLEMENTED: use
+        the unary ones.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

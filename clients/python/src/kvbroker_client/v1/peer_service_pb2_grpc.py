@@ -128,8 +128,11 @@ class PeerServiceServicer:
         goes on; a request refused (its caller not admitted, a notice malformed, an offer over a quota)
         gets its code and reason in its response. A request over the stream's size bound, or a stream
         beyond the bounds on streams, ends the stream with RESOURCE_EXHAUSTED before any handler reads
-        it. A broker that does not serve it answers UNIMPLEMENTED, and the caller uses NotifyParts (and
-        OfferGrant).
+        it. The called broker queues at most max_stream_replies responses (max_stream_reply_bytes
+        bytes) the caller has not read; past that it reads no more requests of the stream until the
+        caller reads, and one that waits longer than stream_stall_s to be written ends the stream
+        RESOURCE_EXHAUSTED naming that setting. A broker that does not serve it answers UNIMPLEMENTED,
+        and the caller uses NotifyParts (and OfferGrant).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
