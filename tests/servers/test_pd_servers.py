@@ -105,7 +105,11 @@ async def test_decode_broker_restarted_between_requests(pd, reference, http):
 async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
     """Prefill paused in place after its first part landed holds the transfer half done (it computes no
     further chunk) while decode is killed; prefill resumes into a grant whose server is gone, and
-    decode is started again."""
+    decode is started again. On NIXL only: a decode restart costs minutes of CI's 90, and what it tests
+    (a grant whose server is gone, revoked at prefill) is the brokers' whatever the engine; the vLLM
+    module kills decode on both engines."""
+    if pd.engine != "nixl":
+        pytest.skip("decode killed runs on NIXL only (CI time; the failure path is the brokers')")
     prompt = client.prompts(1, 40 * CHUNK_TOKENS, seed=61)[0]  # 40 parts
     before = await stack.broker_holds(pd.brokers["prefill"])
     request = asyncio.ensure_future(client.generate(http, pd.url, prompt, ANSWER_TOKENS))

@@ -30,13 +30,22 @@ async def fleet(vllm_model, vllm_log_root):
     prefill, decode = await start_brokers(start_broker("fleet-prefill", "--backend", "nixl"),
                                           start_broker("fleet-decode", "--backend", "nixl"))
     log_dir = vllm_log_root / "fleet"
-    sglang_reference = await stack.start_reference(vllm_model, log_dir / "sglang-reference")
-    sglang = await stack.start_pd(vllm_model, log_dir / "sglang", transfer="kvbroker", engine="nixl", env=SGLANG_ENV,
-                                  brokers={"prefill": prefill, "decode": decode})
+    # the reference starts beside the PD pair (CI time), and is waited for after it
+    sglang_reference = await stack.start_server("reference", vllm_model, log_dir / "sglang-reference", wait=False)
+    try:
+        sglang = await stack.start_pd(vllm_model, log_dir / "sglang", transfer="kvbroker", engine="nixl",
+                                      env=SGLANG_ENV, brokers={"prefill": prefill, "decode": decode})
+    except BaseException:
+        await sglang_reference.kill()
+        raise
+    vllm = None
     try:
         connector = vllm_stack.kvbroker_connector(prefill, decode, name="kvbroker-fleet", **CONNECTOR)
         vllm = await vllm_stack.start_pd(vllm_model, log_dir / "vllm", connector)
+        await sglang_reference.wait_ready("/health_generate", stack.START_TIMEOUT_S)
     except BaseException:
+        if vllm is not None:
+            await vllm.stop()
         await sglang.stop()
         await sglang_reference.stop()
         raise
