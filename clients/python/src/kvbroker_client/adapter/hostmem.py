@@ -11,8 +11,10 @@ while the cache is being built, or moves a tensor before anything took its addre
 
 Cost: one copy of each buffer (its zeros, into the segment), and the pool lives in /dev/shm, which
 must be large enough to hold it (containers: 64 MiB by default). The segments are torch's own
-(`torch_<pid>_...`): torch_shm_manager unlinks them when the process ends. GPU tensors are left alone
-(brokers open them by CUDA IPC).
+(`torch_<pid>_...`): torch_shm_manager unlinks them when the process ends, but not when the server's
+whole process group is killed (SIGKILL, OOM): then they stay in /dev/shm, the KV cache's size each,
+until someone unlinks them (the test stacks do: kvbroker.tools.serving.stack). GPU tensors are left
+alone (brokers open them by CUDA IPC).
 """
 
 from __future__ import annotations
