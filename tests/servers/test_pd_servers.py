@@ -29,7 +29,7 @@ from tests.servers.conftest import (
     until,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # a server start may take its 600 s bound
 
 ENGINES = ["nixl", "mooncake"]
 

@@ -48,7 +48,7 @@ DECODE_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 # the default 5 s once (a fresh clone's suite at load 20: the first request's offer got "no answer
 # within 5.000s" and decode aborted it). What these stacks serve is not the peer timeout's test.
 PEER_RPC_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 300.0  # tens of seconds alone; several servers starting on 2 busy cores take minutes
+START_TIMEOUT_S = 600.0  # tens of seconds alone; minutes on 2 busy cores (a decode restarted beside a CPU hog: over 5)
 
 
 def shm_files_of_group(pgid: int) -> set[Path]:
