@@ -123,9 +123,9 @@ class OfferBook:
         loop = asyncio.get_running_loop()
         self._forget_notes(loop.time())
         if self._gave_up.pop(offer.request_id, None) is not None:
-            raise precondition(f"request_id: the sender of request {offer.request_id!r} on this broker gave up "
-                               "waiting for the offer before it arrived (a Transfer or a CancelTransfer found none "
-                               "within offer_wait_s)")
+            raise precondition(f"request_id: the sender of request {offer.request_id!r} on this broker "
+                               "gave up waiting for the offer before it arrived (a Transfer or a CancelTransfer "
+                               "found none within offer_wait_s)")
         rid, receiver, engine = offer.request_id, offer.receiver_id, offer.sender_engine_id
         taken = [k for k in self._offers
                  if k[0] == rid and k[1] == receiver and (not engine or not k[2] or k[2] == engine)]
