@@ -213,3 +213,19 @@ async def test_stop_names_a_server_that_had_died_unasked_and_stops_the_others(de
     with pytest.raises(ChildDied, match="decode"):
         await asyncio.wait_for(deployment.stop(), 60)
     assert all(s.process.returncode is not None for s in deployment.servers.values())
+
+
+def test_metrics_are_read_by_sample_name_and_summed_over_labels():
+    text = """# HELP vllm:num_requests_running Number of requests running.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 96.0
+vllm:prompt_tokens_by_source_total{source="local_compute"} 4.0
+vllm:prompt_tokens_by_source_created{source="local_compute"} 1.7e9
+"""
+    assert vllm_stack.metric_sum(text, "vllm:num_requests_running") == 3.0
+    assert vllm_stack.metric_sum(text, "vllm:num_requests_waiting") == 0.0
+    assert vllm_stack.prompt_sources(text) == {"external_kv_transfer": 96.0, "local_compute": 4.0}

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import time
 from collections.abc import Sequence
@@ -286,16 +285,20 @@ async def complete(session, url: str, prompt: list[int], max_tokens: int = 8, *,
     return client.Answer(output_ids, first - started, ended - started, {})
 
 
-PROMPT_SOURCE = re.compile(r'^vllm:prompt_tokens_by_source_total\{([^}]*)\}\s+(\S+)', re.MULTILINE)
+def samples(metrics: str, name: str) -> list:
+    """The samples of metric `name` (its full sample name) in a `/metrics` text, by prometheus_client's parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [s for family in text_string_to_metric_families(metrics) for s in family.samples if s.name == name]
 
 
 def prompt_sources(metrics: str) -> dict[str, float]:
     """`vllm:prompt_tokens_by_source_total` of a `/metrics` text, summed per `source` (local_compute,
     local_cache_hit, external_kv_transfer)."""
     totals: dict[str, float] = {}
-    for labels, value in PROMPT_SOURCE.findall(metrics):
-        source = dict(re.findall(r'(\w+)="([^"]*)"', labels)).get("source", "")
-        totals[source] = totals.get(source, 0.0) + float(value)
+    for sample in samples(metrics, "vllm:prompt_tokens_by_source_total"):
+        source = sample.labels.get("source", "")
+        totals[source] = totals.get(source, 0.0) + sample.value
     return totals
 
 
@@ -315,8 +318,7 @@ async def prompt_token_sources(session, url: str, timeout: float = 10.0) -> dict
 
 def metric_sum(metrics: str, name: str) -> float:
     """The sum of a metric's samples (over its labels) in a `/metrics` text; 0 when absent."""
-    sample = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in sample.findall(metrics))
+    return sum(sample.value for sample in samples(metrics, name))
 
 
 async def held(session, url: str) -> dict[str, float]:
