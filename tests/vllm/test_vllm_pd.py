@@ -131,20 +131,22 @@ async def test_a_broker_restarted_comes_back_and_the_next_request_answers(vllm_p
 
 async def test_decode_killed_mid_request_fails_its_requests_and_a_new_decode_answers_again(vllm_pd, vllm_reference,
                                                                                           vllm_http, vllm_model):
-    """Decode's server dies while requests are in flight: they fail at the client, its broker drops its
-    grants and revokes them at prefill, prefill frees what it held; a decode started again on the same
-    port is in the router's rotation again and answers as the non-PD server."""
+    """Decode's server dies while it answers requests: they fail at the client (no answer cut short
+    passes as whole), both brokers end what they held, prefill frees its blocks; a decode started
+    again on the same port is in the router's rotation again and answers as the non-PD server."""
     decode = vllm_pd.servers["decode"]
     prompts = [client.prompts(1, 150, seed=60 + i)[0] for i in range(4)]
-    asked = [asyncio.ensure_future(vllm_stack.complete(vllm_http, vllm_pd.url, p, 200)) for p in prompts]
-
-    async def decode_granted():
-        return (await stack.broker_holds(vllm_pd.brokers["decode"]))["live_requests"] > 0
-
+    answering = asyncio.Event()  # decode streams a first token: it holds the KV and generates
+    asked = [asyncio.ensure_future(vllm_stack.complete(vllm_http, vllm_pd.url, p, 300, answering=answering))
+             for p in prompts]
+    waiting = asyncio.ensure_future(answering.wait())
     try:
-        assert await until(decode_granted, timeout=300), "no request reached decode"
+        await asyncio.wait({waiting, *asked}, timeout=300, return_when=asyncio.FIRST_COMPLETED)
+        assert answering.is_set(), f"no answer began: {[t.exception() for t in asked if t.done()]}"
+        assert not all(t.done() for t in asked), "every answer ended before decode was killed"
         await decode.kill()
     finally:
+        waiting.cancel()
         results = await asyncio.gather(*asked, return_exceptions=True)
     assert any(isinstance(r, Exception) for r in results), "no request was in flight when decode died"
     vllm_pd.servers["decode"] = await vllm_stack.start_server(

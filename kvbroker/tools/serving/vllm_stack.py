@@ -20,6 +20,7 @@ server is a `stack.ServerProcess` in its own session with its log file in `log_d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -252,14 +253,17 @@ def chunk_token_ids(data: str) -> list[int]:
 
 
 async def complete(session, url: str, prompt: list[int], max_tokens: int = 8, *,
-                   timeout: float = REQUEST_TIMEOUT_S, **extra) -> client.Answer:
+                   timeout: float = REQUEST_TIMEOUT_S, answering: asyncio.Event | None = None,
+                   **extra) -> client.Answer:
     """One streamed greedy completion of token-id `prompt` (a server or the router); its token ids and
-    TTFT, from sending the request to the first chunk that holds a token. RuntimeError names the
-    status and body when the server refuses it."""
+    TTFT, from sending the request to the first chunk that holds a token; `answering` is set then.
+    RuntimeError names the status and body when the server refuses it, and says so when the stream
+    ends before vLLM's `[DONE]` (a server that died mid-answer)."""
     import aiohttp
 
     started = time.perf_counter()
     first = None
+    done = False
     output_ids: list[int] = []
     async with session.post(url + "/v1/completions", json=completion_body(prompt, max_tokens, **extra),
                             timeout=aiohttp.ClientTimeout(total=timeout)) as response:
@@ -271,6 +275,7 @@ async def complete(session, url: str, prompt: list[int], max_tokens: int = 8, *,
                 continue
             data = line[len("data:"):].strip()
             if data == "[DONE]":
+                done = True
                 break
             try:
                 ids = chunk_token_ids(data)
@@ -278,10 +283,15 @@ async def complete(session, url: str, prompt: list[int], max_tokens: int = 8, *,
                 raise RuntimeError(f"POST {url}/v1/completions: {e}") from None
             if ids and first is None:
                 first = time.perf_counter()
+                if answering is not None:
+                    answering.set()
             output_ids += ids
     ended = time.perf_counter()
     if first is None:
         raise RuntimeError(f"POST {url}/v1/completions: the stream ended without a token")
+    if not done:
+        raise RuntimeError(f"POST {url}/v1/completions: the stream ended after {len(output_ids)} tokens, "
+                           "without [DONE]")
     return client.Answer(output_ids, first - started, ended - started, {})
 
 
