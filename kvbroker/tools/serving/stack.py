@@ -40,9 +40,12 @@ LOG_TAIL_LINES = 40
 # --dtype float32: with "auto" SGLang 0.5.23 runs a float32 config in float16 on CPU, where two candidate
 # tokens often tie exactly, and a PD pair (other batches, other chunks) then picks the other one of the
 # two than a non-PD server does.
+# --sleep-on-idle: an idle scheduler otherwise spins a core (20 CPU-seconds in 20 s idle, 0.4 with it); three
+# idle servers (a reference, prefill, decode) starved everything else on 2 cores. Idle means no request
+# in any queue, PD's included, and it wakes on the next request's message at once.
 CPU_FLAGS = ("--device", "cpu", "--dtype", "float32", "--attention-backend", "torch_native", "--disable-cuda-graph",
              "--disable-overlap-schedule", "--grammar-backend", "none", "--host", "127.0.0.1",
-             "--skip-server-warmup", "--log-level", "info", "--max-total-tokens", "16384")
+             "--skip-server-warmup", "--log-level", "info", "--max-total-tokens", "16384", "--sleep-on-idle")
 DECODE_FLAGS = ("--disaggregation-decode-retraction-backup", "cpu_tensor")
 # The brokers' peer calls: SGLang servers starting beside them on 2 busy cores starved a broker past
 # the default 5 s once (a fresh clone's suite at load 20: the first request's offer got "no answer
