@@ -25,6 +25,9 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 
+# The session's non-PD SGLang server, shared by tests/servers and the fleet (tests/vllm).
+pytest_plugins = ("tests.sglang_reference",)
+
 BACKENDS = ["nixl", "mooncake"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,6 +1,6 @@
 """Fixtures of the real-server tests: SGLang 0.5.23 servers started as users start them
-(kvbroker/tools/serving), a non-PD reference server for the whole session and one PD deployment
-per transfer engine of the brokers, shared by a module's tests.
+(kvbroker/tools/serving), one PD deployment per transfer engine of the brokers, shared by a module's
+tests, beside the session's non-PD reference server (tests/sglang_reference.py).
 
 Every test leaves both servers serving and both brokers holding nothing: `settled` checks that
 after each case, so cases stay independent though the servers are shared.
@@ -11,21 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-import pytest_asyncio
 
-from kvbroker.tools.serving import client, models, stack
+from kvbroker.tools.serving import client, stack
 from tests.helpers import until
+from tests.sglang_reference import ANSWER_TOKENS, Reference
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 CHUNK_TOKENS = 64  # prefill's --chunked-prefill-size: a prompt of n tokens goes in ceil(n / 64) parts
-ANSWER_TOKENS = 8
 # --log-requests: the prefill log names each request it received (the disconnect case waits for it).
 PREFILL_ARGS = ("--chunked-prefill-size", str(CHUNK_TOKENS), "--log-requests", "--log-requests-level", "0")
 # Decode's radix cache: a prompt that shares a prefix with an earlier one finds it on decode.
@@ -38,58 +35,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/servers/" in str(item.fspath):
             item.add_marker(pytest.mark.servers)
-
-
-@pytest.fixture(scope="session")
-def log_root() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvbroker-servers-"))
-
-
-@pytest.fixture(scope="session")
-def model() -> Path:
-    return models.llama()
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-class Reference:
-    """The non-PD server and the answers it gave, by prompt; `async with` it to stop the server after."""
-
-    def __init__(self, server: stack.ServerProcess, http: aiohttp.ClientSession) -> None:
-        self.server = server
-        self._http = http
-        self._answers: dict[tuple[int, ...], client.Greedy] = {}
-        # It starts beside the first PD deployment; the first answer waits for it.
-        self.ready = asyncio.ensure_future(server.wait_ready("/health_generate", stack.START_TIMEOUT_S))
-
-    async def mismatch(self, prompt: list[int], got: list[int], tokens: int = ANSWER_TOKENS) -> str | None:
-        """Why `got` is not the reference's greedy answer to `prompt` (ties allowed), or None."""
-        return await client.mismatch(self._greedy, prompt, got, tokens)
-
-    async def _greedy(self, prompt: list[int], tokens: int) -> client.Greedy:
-        await self.ready
-        key = (*prompt, -tokens)
-        if key not in self._answers:
-            self._answers[key] = await client.greedy(self._http, self.server.url, prompt, tokens)
-        return self._answers[key]
-
-    async def __aenter__(self) -> Reference:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.ready.cancel()
-        await self.server.stop()
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def reference(model, log_root, http) -> AsyncIterator[Reference]:
-    server = await stack.start_server("reference", model, log_root / "reference", wait=False)
-    async with Reference(server, http) as made:
-        yield made
 
 
 async def start_stack(model: Path, log_dir: Path, engine: str) -> stack.PDStack:

@@ -24,12 +24,12 @@ from tests.servers.conftest import (
     ANSWER_TOKENS,
     CHUNK_TOKENS,
     SERVER_ENV,
-    Reference,
     disconnect_after_bootstrap,
     disconnect_before_bootstrap,
     restart_broker_then_ask,
     settled,
 )
+from tests.sglang_reference import Reference
 
 # The servers run the model's experts eagerly (minimax.SERVER_ENV, TORCH_COMPILE_DISABLE): compiled, a
 # server's first request waited minutes for inductor's C++ builds, and three of them starting together
