@@ -59,18 +59,19 @@ class Settings(BaseSettings):
     offer_wait_s: float = Field(10.0, gt=0, description="how long a Transfer of the offered flow waits for the "
                                                         "receiver's offer to arrive, seconds")
     max_offers: int = Field(65536, gt=0, description="offers from receivers this broker holds at once")
-    max_offers_per_peer: int = Field(4096, gt=0, description="of max_offers, how many one peer identity's offers "
-                                                             "may hold")
+    max_offers_per_peer: int = Field(4096, gt=0, description="of max_offers, how many one peer's offers may hold "
+                                                             "(a peer: a certified identity under mutual TLS, else "
+                                                             "the host calling, whatever broker ids it claims)")
     max_offer_pages: int = Field(1 << 24, gt=0, description="page ids held in the offers from receivers, all "
                                                             "together")
-    max_offer_pages_per_peer: int = Field(1 << 22, gt=0, description="page ids held in one peer identity's offers")
+    max_offer_pages_per_peer: int = Field(1 << 22, gt=0, description="page ids held in one peer's offers")
     max_offer_bytes: int = Field(256 << 20, gt=0, description="bytes the offers from receivers hold (their page "
                                                               "lists, plus 4 KiB each), all together")
-    max_offer_bytes_per_peer: int = Field(64 << 20, gt=0, description="bytes one peer identity's offers hold")
+    max_offer_bytes_per_peer: int = Field(64 << 20, gt=0, description="bytes one peer's offers hold")
     max_peer_calls: int = Field(2048, gt=0, description="peer API calls that wait (Handshake, RevokeOffer) being "
                                                         "served at once, all peers together")
-    max_peer_calls_per_peer: int = Field(512, gt=0, description="of max_peer_calls, how many one peer identity's "
-                                                                "calls may hold")
+    max_peer_calls_per_peer: int = Field(512, gt=0, description="of max_peer_calls, how many one peer's calls may "
+                                                                "hold (a peer as for max_offers_per_peer)")
     max_aux_bytes: int = Field(65536, ge=0, description="largest aux payload of a last part, bytes")
     max_parts_per_request: int = Field(4096, gt=0, description="parts (chunks) one offered request may have")
     unregister_wait_s: float = Field(10.0, ge=0, description="how long UnregisterEngine waits for writes, seconds")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
+from kvbroker.edge.admission import peer_host
 from kvbroker.edge.codes import failure, translate_errors
 from kvbroker.edge.outbox import Outbox, StreamBounds, StreamObserver, serve
 from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
@@ -46,7 +47,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
         made to hold the broker, counts against the calls served at once until it ends
         (RESOURCE_EXHAUSTED); the others run to their answer without waiting."""
         try:
-            identity = self._gate.identify(request.broker_id, context.auth_context())
+            identity = self._gate.identify(request.broker_id, context.auth_context(), peer_host(context.peer()))
             if not self._gate.admits(identity):
                 raise BrokerError(Code.PERMISSION_DENIED, f"broker_id: peer {identity.name[:128]!r} is not admitted "
                                                           "by this broker's peer_allow")
@@ -55,8 +56,8 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
                 raise unknown_engine(hide_as_engine) from None
             raise
         if held:
-            self._calls.enter(identity.name)
-            context.add_done_callback(lambda _: self._calls.leave(identity.name))
+            self._calls.enter(identity.quota_key)
+            context.add_done_callback(lambda _: self._calls.leave(identity.quota_key))
         return identity
 
     @translate_errors

@@ -28,48 +28,50 @@ class PeerGate:
         self.allow = tuple(allow) or ("*",)
         self.authenticated = authenticated
 
-    def identify(self, broker_id: str, auth_context: Mapping[str, Sequence[bytes]] | None) -> PeerIdentity:
-        """The caller's identity; under mutual TLS its broker_id must be a name of its certificate."""
+    def identify(self, broker_id: str, auth_context: Mapping[str, Sequence[bytes]] | None,
+                 source: str = "") -> PeerIdentity:
+        """The caller's identity, calling from host `source`; under mutual TLS its broker_id must be a
+        name of its certificate."""
         if not self.authenticated:
-            return PeerIdentity(broker_id, False)
+            return PeerIdentity(broker_id, False, source)
         names = sorted({n.decode(errors="replace") for n in (auth_context or {}).get(SAN_PROPERTY, ())})
         if broker_id not in names:
             shown = ", ".join(names[:8]) or "none"
             raise BrokerError(Code.PERMISSION_DENIED,
                               f"broker_id: {broker_id[:128]!r} is not a name of the peer's certificate (its subject "
                               f"alternative names: {shown})")
-        return PeerIdentity(broker_id, True)
+        return PeerIdentity(broker_id, True, source)
 
     def admits(self, identity: PeerIdentity) -> bool:
         return any(fnmatch.fnmatchcase(identity.name, pattern) for pattern in self.allow)
 
 
 class PeerCalls:
-    """Peer calls that wait being served at once, per identity and in total (max_peer_calls_per_peer,
+    """Peer calls that wait being served at once, per peer and in total (max_peer_calls_per_peer,
     max_peer_calls): a call past either bound is refused RESOURCE_EXHAUSTED before any work, so
-    that one peer's stalled or slow calls never take the others' room. Without mutual TLS an
-    identity is the peer's claim: only the total holds against a stranger."""
+    that one peer's stalled or slow calls never take the others' room. A peer is a PeerIdentity's
+    quota_key: a certified identity, or without mutual TLS the host calling, whatever names it claims."""
 
     def __init__(self, total: int, per_peer: int) -> None:
         self.total, self.per_peer = total, per_peer
         self._held: dict[str, int] = {}
         self._all = 0
 
-    def enter(self, name: str) -> None:
-        mine = self._held.get(name, 0)
+    def enter(self, peer: str) -> None:
+        mine = self._held.get(peer, 0)
         if mine >= self.per_peer:
-            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"broker_id: peer {name[:128]!r} has {mine} calls being served, "
+            raise BrokerError(Code.RESOURCE_EXHAUSTED, f"broker_id: {peer} has {mine} calls being served, "
                                                        f"the limit (max_peer_calls_per_peer)")
         if self._all >= self.total:
             raise BrokerError(Code.RESOURCE_EXHAUSTED, f"this broker has {self._all} peer calls being served, the "
                                                        "limit (max_peer_calls)")
-        self._held[name] = mine + 1
+        self._held[peer] = mine + 1
         self._all += 1
 
-    def leave(self, name: str) -> None:
-        mine = self._held.get(name, 0) - 1
+    def leave(self, peer: str) -> None:
+        mine = self._held.get(peer, 0) - 1
         if mine > 0:
-            self._held[name] = mine
+            self._held[peer] = mine
         else:
-            self._held.pop(name, None)
+            self._held.pop(peer, None)
         self._all -= 1

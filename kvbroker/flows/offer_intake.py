@@ -57,7 +57,7 @@ class OfferIntake:
     def admit(self, identity: PeerIdentity, pages: int) -> None:
         """Whether an offer of `pages` page ids from this peer fits its quotas, before it is built."""
         self._refuse_own(identity, "")
-        self.book.admit(identity.name, pages)
+        self.book.admit(identity.quota_key, pages)
 
     def _refuse_own(self, identity: PeerIdentity, address: str) -> None:
         """A broker never writes into its own engines through a peer handshake: no offer from itself."""
@@ -81,7 +81,7 @@ class OfferIntake:
         loop = asyncio.get_running_loop()
         held = Offer(offer.peer_address, identity.name, epoch, offer.engine_id, offer.request_id,
                      offer.sender_engine_id, offer.granted, offer.token, offer.generation,
-                     loop.time() + offer.remaining_s, dict(offer.src_offsets))
+                     loop.time() + offer.remaining_s, dict(offer.src_offsets), quota_key=identity.quota_key)
         self.book.add(held)
         if engine is not None and not self._held_by_rival(engine.engine_id, offer.request_id):
             try:

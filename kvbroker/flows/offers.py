@@ -13,12 +13,14 @@ none): two receivers' offers of one request id never collide, and a part that na
 takes an offer only while exactly one could match. Once a part took one, the other receivers'
 offers of that request for that engine end (they lost).
 
-Bounds (`OfferQuota`), per receiver identity and in total, checked before an offer's page arrays
+Bounds (`OfferQuota`), per peer and in total, checked before an offer's page arrays
 are built (`admit`) and again when it is kept (`add`): offers held, page ids held, bytes held (the
 page arrays plus OFFER_OVERHEAD_BYTES each); RESOURCE_EXHAUSTED names the setting. A Transfer that
 gave up waiting, or a CancelTransfer that waited for the offer (offer_wait_ms) and found none,
 leaves a note (at most `max_offers`, for `retention_s`) so that an offer arriving after it is
-refused at once, and the receiver's grant fails then instead of at its expiry.
+refused at once, and the receiver's grant fails then instead of at its expiry. A peer is a
+PeerIdentity's quota_key: a certified identity, or without mutual TLS the host the offers come from,
+whatever broker ids it claims.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ OFFER_OVERHEAD_BYTES = 4096  # what one offer holds beside its page arrays: the 
 
 @dataclass(frozen=True)
 class OfferQuota:
-    """What the offers of one receiver identity, and of all together, may hold (settings of the same names)."""
+    """What the offers of one peer (PeerIdentity.quota_key), and of all together, may hold (settings of the
+    same names)."""
 
     max_offers: int = 65536
     max_offers_per_peer: int = 4096
@@ -55,6 +58,10 @@ class _Held:
     offers: int = 0
     pages: int = 0
     nbytes: int = 0
+
+
+def _quota_key(offer: Offer) -> str:
+    return offer.quota_key or offer.receiver_id
 
 
 def offer_bytes(pages: int) -> int:
@@ -72,7 +79,7 @@ class OfferBook:
         self._retention_s = retention_s
         self._on_expired = on_expired
         self._offers: dict[tuple[str, str, str], Offer] = {}
-        self._held: dict[str, _Held] = {}  # per receiver identity
+        self._held: dict[str, _Held] = {}  # per peer (an offer's quota key)
         self._total = _Held()
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._gave_up: OrderedDict[str, float] = OrderedDict()  # request id → loop time the note goes
@@ -84,15 +91,15 @@ class OfferBook:
     def __iter__(self) -> Iterator[Offer]:
         return iter(list(self._offers.values()))
 
-    def held(self, receiver_id: str | None = None) -> tuple[int, int, int]:
-        """(offers, page ids, bytes) held for one receiver identity, or in total."""
-        held = self._total if receiver_id is None else self._held.get(receiver_id, _Held())
+    def held(self, peer: str | None = None) -> tuple[int, int, int]:
+        """(offers, page ids, bytes) held for one peer (an offer's quota key), or in total."""
+        held = self._total if peer is None else self._held.get(peer, _Held())
         return held.offers, held.pages, held.nbytes
 
-    def admit(self, receiver_id: str, pages: int) -> None:
-        """Whether one more offer of `pages` page ids from `receiver_id` fits; RESOURCE_EXHAUSTED naming
-        the setting it would break. Called before the offer's page arrays are built, and by `add`."""
-        q, mine, total = self._quota, self._held.get(receiver_id, _Held()), self._total
+    def admit(self, peer: str, pages: int) -> None:
+        """Whether one more offer of `pages` page ids from `peer` (its quota key) fits; RESOURCE_EXHAUSTED
+        naming the setting it would break. Called before the offer's page arrays are built, and by `add`."""
+        q, mine, total = self._quota, self._held.get(peer, _Held()), self._total
         nbytes = offer_bytes(pages)
         for value, limit, name, what in (
                 (mine.offers + 1, q.max_offers_per_peer, "max_offers_per_peer", "offers"),
@@ -102,20 +109,21 @@ class OfferBook:
                 (total.pages + pages, q.max_offer_pages, "max_offer_pages", "page ids in offers"),
                 (total.nbytes + nbytes, q.max_offer_bytes, "max_offer_bytes", "bytes of offers")):
             if value > limit:
-                whose = f"peer {receiver_id[:128]!r}" if name.endswith("_per_peer") else "this broker"
+                whose = peer[:160] if name.endswith("_per_peer") else "this broker"
                 raise BrokerError(Code.RESOURCE_EXHAUSTED,
                                   f"pages: {whose} would hold {value} {what}, over the limit of {limit} ({name}); "
                                   "no more are taken until some end")
 
     def _count(self, offer: Offer, sign: int) -> None:
         pages = sum(len(v) for v in offer.granted.values())
-        mine = self._held.setdefault(offer.receiver_id, _Held())
+        key = _quota_key(offer)
+        mine = self._held.setdefault(key, _Held())
         for held in (mine, self._total):
             held.offers += sign
             held.pages += sign * pages
             held.nbytes += sign * offer_bytes(pages)
         if not mine.offers:
-            del self._held[offer.receiver_id]
+            del self._held[key]
 
     def add(self, offer: Offer) -> None:
         """Hold a new offer; refused when that receiver has one live for the request and engine (or
@@ -132,7 +140,7 @@ class OfferBook:
         if taken:
             raise BrokerError(Code.ALREADY_EXISTS,
                               f"request_id: request {rid!r} was offered to this broker already by {receiver[:128]!r}")
-        self.admit(receiver, sum(len(v) for v in offer.granted.values()))
+        self.admit(_quota_key(offer), sum(len(v) for v in offer.granted.values()))
         self._offers[(rid, receiver, engine)] = offer
         self._count(offer, +1)
         offer.timer = loop.call_at(offer.expires_at, self._expire, offer)

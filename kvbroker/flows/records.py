@@ -243,6 +243,7 @@ class Offer:
     generation: int  # the receiving engine's registry generation when it offered
     expires_at: float  # loop time
     src_offsets: dict[Component, int] = field(default_factory=dict)  # the sender's page on entry 0, where not 0
+    quota_key: str = ""  # whose per-peer offer quotas it counts against (PeerIdentity.quota_key); "": receiver_id's
     coverage: Coverage = field(init=False)
     next_part: int = 0
     last_part: int | None = None  # the number of the part marked last, once accepted

@@ -396,6 +396,31 @@ async def test_an_offer_flood_is_held_to_its_identitys_quota_and_real_offers_are
     assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [0, 1], [8, 9])]))
 
 
+async def test_a_stranger_changing_its_name_on_every_offer_is_held_to_its_hosts_quota():
+    """Without mutual TLS a broker_id is only a claim: offers from one host count against one quota,
+    whatever names they carry, and the refusal names the host and the setting."""
+    prefill = await open_broker("prefill-names", "nixl", "--max-offers-per-peer", "2")
+    codes, details = [], set()
+    try:
+        async with grpc.aio.insecure_channel(prefill.peer_address) as channel:
+            stub = ppb_grpc.PeerServiceStub(channel)
+            for i in range(4):
+                offer_grant = ppb.OfferGrantRequest(
+                    broker_id=f"decode-liar-{i}", epoch=1, peer_address="127.0.0.1:9", engine_id="decode-x/tp0",
+                    request_id=f"names-{i}", pages=[pb.ComponentPages(component=MAIN, page_ids=range(4))],
+                    remaining_ms=60_000, offer_token=secrets.token_hex(16), generation=1)
+                try:
+                    await stub.OfferGrant(offer_grant, timeout=30)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+                    details.add(exc.details())
+    finally:
+        assert await close_broker(prefill) == 0
+    assert codes == [grpc.StatusCode.OK] * 2 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    assert all("host ipv4:127.0.0.1" in d and "(max_offers_per_peer)" in d for d in details), details
+
+
 # Health while the peer port is flooded
 
 

@@ -1,5 +1,6 @@
 """The OfferBook: offers found by request id, receiver and engine, waited for with a bound, ended
-once, held to quotas per receiver identity and in total; PeerCalls, the peer servicer's call quota."""
+once, held to quotas per peer (a certified identity, or a host) and in total; PeerCalls, the peer
+servicer's call quota."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.identity import PeerIdentity
 from kvbroker.core.model import Component
 from kvbroker.edge.trust import PeerCalls
 from kvbroker.flows.offers import Offer, OfferBook, OfferQuota, offer_bytes
@@ -16,10 +18,11 @@ from kvbroker.flows.offers import Offer, OfferBook, OfferQuota, offer_bytes
 MAIN = Component.MAIN_KV
 
 
-def offer(request_id="r1", sender_engine_id="", expires_in=30.0, receiver="decode-0", pages=4) -> Offer:
+def offer(request_id="r1", sender_engine_id="", expires_in=30.0, receiver="decode-0", pages=4,
+          quota_key="") -> Offer:
     now = asyncio.get_running_loop().time()
     return Offer("127.0.0.1:1", receiver, 7, "decode/e", request_id, sender_engine_id, {MAIN: np.arange(pages)},
-                 "t" * 32, 1, now + expires_in)
+                 "t" * 32, 1, now + expires_in, quota_key=quota_key)
 
 
 async def test_an_offer_naming_no_engine_becomes_the_first_takers():
@@ -135,6 +138,24 @@ async def test_quotas_per_receiver_and_in_total_name_their_setting():
     book.end(book.find("b", "e", "q"), BrokerError(Code.CANCELLED, "gone"))
     assert book.held("q") == (0, 0, 0)
     book.add(offer("c", receiver="r", pages=1))  # room again once one ended
+
+
+async def test_a_stranger_changing_names_is_one_peer_of_its_host_and_a_certified_one_is_its_own():
+    """Without mutual TLS a broker id is only a claim: offers count against the host they came from."""
+    book = OfferBook(OfferQuota(max_offers=100, max_offers_per_peer=2))
+    names = iter(f"stranger-{i}" for i in range(10))
+    for i in range(2):
+        liar = PeerIdentity(next(names), False, "ipv4:10.0.0.9")
+        book.add(offer(f"r{i}", receiver=liar.name, quota_key=liar.quota_key))
+    third = PeerIdentity(next(names), False, "ipv4:10.0.0.9")
+    with pytest.raises(BrokerError) as refused:
+        book.admit(third.quota_key, 1)
+    assert "host ipv4:10.0.0.9" in refused.value.reason and "(max_offers_per_peer)" in refused.value.reason
+    honest = PeerIdentity("decode-1", False, "ipv4:10.0.0.10")  # another host keeps its own room
+    book.add(offer("r9", receiver=honest.name, quota_key=honest.quota_key))
+    certified = [PeerIdentity("decode-2", True, "ipv4:10.0.0.9"), PeerIdentity("decode-3", True, "ipv4:10.0.0.9")]
+    assert len({c.quota_key for c in certified}) == 2  # identities a CA certified count apart, whatever host
+    assert book.held("host ipv4:10.0.0.9")[0] == 2 and book.held("host ipv4:10.0.0.10")[0] == 1
 
 
 def test_peer_calls_are_bounded_per_identity_and_in_total():

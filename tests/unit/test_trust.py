@@ -38,3 +38,9 @@ def test_peer_allow_admits_by_pattern(name, admitted):
 
 def test_an_empty_allow_list_admits_everyone():
     assert PeerGate([], authenticated=False).admits(PeerIdentity("x", False))
+
+
+def test_a_certified_identity_is_its_own_peer_and_a_claimed_one_is_the_host_calling():
+    certified = PeerGate(["*"], authenticated=True).identify("prefill-0", CERT, "ipv4:10.0.0.7")
+    claimed = PeerGate(["*"], authenticated=False).identify("prefill-0", None, "ipv4:10.0.0.7")
+    assert certified.quota_key == "peer 'prefill-0'" and claimed.quota_key == "host ipv4:10.0.0.7"
