@@ -19,6 +19,8 @@ be enumerated; from the other calls, PERMISSION_DENIED before any lookup.
 
 from __future__ import annotations
 
+import grpc
+
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
 from kvbroker.edge.admission import peer_host
@@ -114,7 +116,13 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
 
     async def NotifyStream(self, requests, context):
         """Each request answered in turn through an Outbox: while the caller leaves its answers unread,
-        up to the stream's bound, no more of its requests are read (outbox.py)."""
+        up to the stream's bound, no more of its requests are read (outbox.py). A certificate that names
+        no admitted peer is refused as the stream opens, so that it holds no stream slot."""
+        if not self._gate.may_call(context.auth_context()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "NotifyStream: no name of the peer's certificate is admitted by this broker's "
+                                "peer_allow")
+
         async def answer_each(outbox: Outbox) -> None:
             iterator = aiter(requests)
             while True:

@@ -45,6 +45,14 @@ class PeerGate:
     def admits(self, identity: PeerIdentity) -> bool:
         return any(fnmatch.fnmatchcase(identity.name, pattern) for pattern in self.allow)
 
+    def may_call(self, auth_context: Mapping[str, Sequence[bytes]] | None) -> bool:
+        """Whether a connection could carry an admitted peer's calls: under mutual TLS, whether a name
+        of its certificate is admitted; without it any caller may (its claim comes with each message)."""
+        if not self.authenticated:
+            return True
+        names = {n.decode(errors="replace") for n in (auth_context or {}).get(SAN_PROPERTY, ())}
+        return any(self.admits(PeerIdentity(name, True)) for name in names)
+
 
 class PeerCalls:
     """Peer calls that wait being served at once, per peer and in total (max_peer_calls_per_peer,

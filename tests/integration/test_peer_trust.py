@@ -104,6 +104,21 @@ async def test_a_spoofed_broker_id_is_refused(trust, engines, request_id):
     assert (await watch_first(dst, request_id)).state == pb.TRANSFER_STATE_PENDING
 
 
+async def test_a_certificate_naming_no_admitted_peer_cannot_hold_a_notice_stream(trust):
+    """mallory's certificate is valid but peer_allow admits none of its names: its NotifyStream ends
+    PERMISSION_DENIED as it opens, before any message, and holds none of the port's stream slots."""
+    _, _, stranger = trust
+    for _ in range(6):  # more than max_notice_streams_per_peer (4), were they held
+        stream = stranger["mallory"].NotifyStream(timeout=10)
+        assert await stream.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "peer_allow" in await stream.details()
+    admitted = stranger["prefill-7"].NotifyStream(timeout=10)
+    await admitted.write(ppb.NotifyStreamRequest(seq=1, notices=ppb.NotifyPartsRequest(broker_id="prefill-7")))
+    assert (await admitted.read()).seq == 1
+    await admitted.done_writing()
+    assert await admitted.code() == grpc.StatusCode.OK
+
+
 async def test_a_peer_that_is_not_admitted_learns_nothing_from_a_handshake(trust, engines, backend):
     decode, _, stranger = trust
     dst = await engines.make(decode, "decode", fill="canary")
