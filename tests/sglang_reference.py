@@ -5,7 +5,6 @@ and HTTP session the server tests share. A plugin of the root conftest: tests/se
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,8 +18,9 @@ ANSWER_TOKENS = 8
 
 
 @pytest.fixture(scope="session")
-def log_root() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvbroker-servers-"))
+def log_root(tmp_path_factory) -> Path:
+    """The servers' logs, under pytest's base temp: the last three runs' are kept."""
+    return tmp_path_factory.mktemp("servers")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ it, by reading decode's index K wrongly (minimax.CORRUPT_ENV) and seeing the tok
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,9 +58,9 @@ async def minimax_reference(minimax_model, log_root, http):
 
 
 @pytest.fixture(scope="module")
-def corruption_switch() -> Path:
+def corruption_switch(tmp_path_factory) -> Path:
     """The file decode's stand-in reads its index-K mode from at every use (empty: read it as it is)."""
-    path = Path(tempfile.mkdtemp(prefix="kvbroker-minimax-")) / "index-k-mode"
+    path = tmp_path_factory.mktemp("minimax") / "index-k-mode"
     path.write_text("")
     return path
 

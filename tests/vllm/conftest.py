@@ -9,7 +9,6 @@ Every case leaves both servers serving and both brokers holding no request (`set
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -35,8 +34,9 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def vllm_log_root() -> Path:
-    return Path(tempfile.mkdtemp(prefix="kvbroker-vllm-"))
+def vllm_log_root(tmp_path_factory) -> Path:
+    """The servers' logs, under pytest's base temp: the last three runs' are kept."""
+    return tmp_path_factory.mktemp("vllm")
 
 
 @pytest.fixture(scope="session")
