@@ -10,11 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbroker.backends import nixl
+from kvbroker.backends import nixl_api as nixl
 
 CHILD = """
 import json, os, sys
-from kvbroker.backends.nixl import import_nixl_api
+from kvbroker.backends.nixl_api import import_nixl_api
 api = import_nixl_api()
 direct = {"module": api.__name__, "torch": "torch" in sys.modules}
 import nixl._api
