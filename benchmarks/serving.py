@@ -24,7 +24,6 @@ layers, whose PD transfer moves three components: sparse KV, index K, dense KV).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -197,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep every deployment running while one is measured (by default the others are "
                              "SIGSTOPped: their idle schedulers spin and take the cores)")
     args = parser.parse_args(argv)
-    result = asyncio.run(run(args))
+    from kvbroker.tools.serving import compare
+
+    result = compare.run_stopping_on_signals(run(args))
     stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())
     out = Path(args.out or f"benchmarks/out/serving-{'' if args.model == 'llama' else args.model + '-'}{stamp}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

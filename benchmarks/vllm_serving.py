@@ -25,7 +25,6 @@ on stdout.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 import json
 import math
@@ -202,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(filter(None, args.deployments.split(","))) - set(DEPLOYMENTS)
     if unknown:
         parser.error(f"--deployments: unknown {sorted(unknown)}")
-    result = asyncio.run(run(args))
+    result = compare.run_stopping_on_signals(run(args))
     out = Path(args.out or f"benchmarks/out/vllm-serving-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

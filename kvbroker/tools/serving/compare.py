@@ -8,6 +8,8 @@ deployments not asked are paused meanwhile (`only`); `interleaved_batches` does 
 sent at once to each in turn; `throughput` sends a batch at once to one deployment.
 Each takes `ask`, the request of one engine's API (SGLang's `client.generate` by default; vLLM's
 `vllm_stack.complete`), and pauses any deployment that has `pause` and `resume`.
+`run_stopping_on_signals` is asyncio.run for the demos and benchmarks that start them: SIGTERM or
+SIGINT ends the run through its blocks, which stop what they started.
 """
 
 from __future__ import annotations
@@ -17,13 +19,15 @@ import contextlib
 import functools
 import os
 import platform
+import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvbroker.tools.serving import client, stack
 
@@ -43,6 +47,32 @@ LABELS = {"kvbroker-nixl": ("kvbroker", "nixl"), "kvbroker-mooncake": ("kvbroker
 
 class Stoppable(Protocol):
     async def stop(self) -> None: ...
+
+
+T = TypeVar("T")
+
+
+def run_stopping_on_signals(main: Awaitable[T]) -> T:
+    """asyncio.run(main), where SIGTERM and SIGINT cancel it, so that the `started`/`deployments` blocks
+    it is in stop their servers and brokers before the process ends (killed, a run left its servers
+    running); an interrupted run exits 130."""
+    async def guarded() -> T:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, task.cancel)
+        try:
+            return await main
+        finally:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(signum)
+
+    try:
+        return asyncio.run(guarded())
+    except asyncio.CancelledError:
+        print(f"{Path(sys.argv[0]).name}: interrupted; what it started is stopped", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 @contextlib.asynccontextmanager

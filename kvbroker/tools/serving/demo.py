@@ -11,7 +11,6 @@ and the median time to first token of a few repeats. Start-up takes a few minute
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import tempfile
 from pathlib import Path
@@ -56,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="requests per backend for the median TTFT")
     parser.add_argument("--log-dir", help="where the servers log (default: a new temporary directory)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
-    return asyncio.run(run(parser.parse_args(argv)))
+    from kvbroker.tools.serving import compare
+
+    return compare.run_stopping_on_signals(run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":
