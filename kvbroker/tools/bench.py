@@ -31,7 +31,6 @@ import dataclasses
 import importlib.util
 import json
 import math
-import signal
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ from kvbroker.tools.bench_children import FLOWS, Child
 from kvbroker.tools.bench_data import data_plane
 from kvbroker.tools.bench_report import judge, machine, render
 from kvbroker.tools.bench_setup import QUICK, Plan, Side, open_side
-from kvbroker.tools.launch import ChildDied
+from kvbroker.tools.launch import ChildDied, stopping_on_signals
 from kvbroker.tools.shapes import BENCH_CONTROL, BENCH_ENGINE, engine_buffers, page_lists
 
 LOOPS = ("uvloop", "asyncio")
@@ -248,18 +247,11 @@ def _available(backend: str) -> bool:
 
 async def run(args: argparse.Namespace) -> int:
     """The CLI's entry: SIGINT/SIGTERM stop the brokers and children and release the shared memory."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, task.cancel)
     try:
-        return await _bench(args)
+        return await stopping_on_signals(_bench(args))
     except asyncio.CancelledError:
         print("kvbroker bench: interrupted; brokers stopped and shared memory released", file=sys.stderr)
         return 130
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
 
 
 async def _bench(args: argparse.Namespace) -> int:

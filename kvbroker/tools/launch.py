@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -222,3 +223,21 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
     both = asyncio.ensure_future(asyncio.gather(stderr_task, stdout_task))
     return BrokerProcess(process, ready["listen"], ready["peer_listen"], broker_id, both, lines,
                          metrics_listen=ready.get("metrics_listen", ""), health_listen=ready.get("health_listen", ""))
+
+
+T = TypeVar("T")
+
+
+async def stopping_on_signals(main: Awaitable[T]) -> T:
+    """`main`, awaited with SIGTERM and SIGINT cancelling the task that awaits it, so that the blocks it
+    is in stop the brokers and servers they started before the process ends (CancelledError then)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, task.cancel)
+    try:
+        return await main
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker.tools.launch import BrokerProcess, start_broker
-from kvbroker.tools.serving import client, models, stack, vllm_stack
+from kvbroker.tools.serving import client, stack, vllm_stack
 from tests.helpers import until
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -34,20 +34,10 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def vllm_log_root(tmp_path_factory) -> Path:
-    """The servers' logs, under pytest's base temp: the last three runs' are kept."""
-    return tmp_path_factory.mktemp("vllm")
-
-
-@pytest.fixture(scope="session")
-def vllm_model() -> Path:
-    return models.llama()
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
+def vllm_log_root(log_root) -> Path:
+    """The vLLM servers' logs, beside the SGLang servers' (the model and HTTP session are theirs too:
+    tests/sglang_reference.py)."""
+    return log_root / "vllm"
 
 
 class Reference:
@@ -67,15 +57,15 @@ class Reference:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_reference(vllm_model, vllm_log_root, vllm_http) -> AsyncIterator[Reference]:
-    deployment = await vllm_stack.start_reference(vllm_model, vllm_log_root / "reference")
-    yield Reference(deployment, vllm_http)
+async def vllm_reference(model, vllm_log_root, http) -> AsyncIterator[Reference]:
+    deployment = await vllm_stack.start_reference(model, vllm_log_root / "reference")
+    yield Reference(deployment, http)
     await deployment.stop()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vllm_pd(backend, vllm_model, vllm_log_root) -> AsyncIterator[vllm_stack.Deployment]:
-    deployment = await vllm_stack.start_kvbroker_pd(vllm_model, vllm_log_root / f"pd-{backend}", backend, **CONNECTOR)
+async def vllm_pd(backend, model, vllm_log_root) -> AsyncIterator[vllm_stack.Deployment]:
+    deployment = await vllm_stack.start_kvbroker_pd(model, vllm_log_root / f"pd-{backend}", backend, **CONNECTOR)
     yield deployment
     await deployment.stop()
 

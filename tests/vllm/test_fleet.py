@@ -25,17 +25,17 @@ SGLANG_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREG
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def fleet(vllm_model, vllm_log_root):
+async def fleet(model, vllm_log_root):
     """The two brokers, and on them an SGLang PD stack (it owns and stops them) and a vLLM PD deployment,
     started together."""
     prefill, decode = await start_brokers(start_broker("fleet-prefill", "--backend", "nixl"),
                                           start_broker("fleet-decode", "--backend", "nixl"))
     log_dir = vllm_log_root / "fleet"
     connector = vllm_stack.kvbroker_connector(prefill, decode, name="kvbroker-fleet", **CONNECTOR)
-    starts = [asyncio.ensure_future(stack.start_pd(vllm_model, log_dir / "sglang", transfer="kvbroker",
+    starts = [asyncio.ensure_future(stack.start_pd(model, log_dir / "sglang", transfer="kvbroker",
                                                    engine="nixl", env=SGLANG_ENV,
                                                    brokers={"prefill": prefill, "decode": decode})),
-              asyncio.ensure_future(vllm_stack.start_pd(vllm_model, log_dir / "vllm", connector))]
+              asyncio.ensure_future(vllm_stack.start_pd(model, log_dir / "vllm", connector))]
     try:
         sglang, vllm = await asyncio.gather(*starts)
     except BaseException:  # one failed (or the fixture was cancelled): stop what the other started
@@ -52,16 +52,16 @@ async def fleet(vllm_model, vllm_log_root):
 
 
 async def test_sglang_and_vllm_requests_interleaved_on_one_broker_pair_each_answer_as_their_engine(
-        fleet, reference, vllm_reference, vllm_http):
+        fleet, reference, vllm_reference, http):
     sglang, vllm = fleet
     prompts = [client.prompts(1, 30 + 25 * i, seed=300 + i)[0] for i in range(6)]
 
     async def sglang_one(prompt):
-        answer = await client.generate(vllm_http, sglang.url, prompt, ANSWER_TOKENS)
+        answer = await client.generate(http, sglang.url, prompt, ANSWER_TOKENS)
         return await reference.mismatch(prompt, answer.output_ids, ANSWER_TOKENS)
 
     async def vllm_one(prompt):
-        answer = await vllm_stack.complete(vllm_http, vllm.url, prompt, ANSWER_TOKENS)
+        answer = await vllm_stack.complete(http, vllm.url, prompt, ANSWER_TOKENS)
         return None if answer.output_ids == await vllm_reference.answer(prompt) else answer.output_ids
 
     results = await asyncio.gather(*(f(p) for p in prompts for f in (sglang_one, vllm_one)))

@@ -26,39 +26,39 @@ def moved(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
 
 
 async def test_answers_match_the_non_pd_server_and_every_prompt_token_comes_by_transfer(vllm_pd, vllm_reference,
-                                                                                      vllm_http):
+                                                                                      http):
     prompts = [client.prompts(1, length, seed=length)[0] for length in (20, BLOCK + 1, 2 * BLOCK, 97, 150, 300)]
-    before = await sources(vllm_http, vllm_pd)
+    before = await sources(http, vllm_pd)
     for prompt in prompts:
-        got = await vllm_stack.complete(vllm_http, vllm_pd.url, prompt, ANSWER_TOKENS)
+        got = await vllm_stack.complete(http, vllm_pd.url, prompt, ANSWER_TOKENS)
         assert got.output_ids == await vllm_reference.answer(prompt), f"a prompt of {len(prompt)} tokens"
-    assert moved(before, await sources(vllm_http, vllm_pd)) == {
+    assert moved(before, await sources(http, vllm_pd)) == {
         "external_kv_transfer": sum(len(p) for p in prompts), "local_cache_hit": 0, "local_compute": 0}
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)
 
 
-async def test_sixteen_requests_at_once_each_answer_as_the_non_pd_server(vllm_pd, vllm_reference, vllm_http):
+async def test_sixteen_requests_at_once_each_answer_as_the_non_pd_server(vllm_pd, vllm_reference, http):
     prompts = [client.prompts(1, 40 + 11 * i, seed=100 + i)[0] for i in range(16)]
-    answers = await asyncio.gather(*(vllm_stack.complete(vllm_http, vllm_pd.url, p, ANSWER_TOKENS) for p in prompts))
+    answers = await asyncio.gather(*(vllm_stack.complete(http, vllm_pd.url, p, ANSWER_TOKENS) for p in prompts))
     for prompt, got in zip(prompts, answers):
         assert got.output_ids == await vllm_reference.answer(prompt), f"a prompt of {len(prompt)} tokens"
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)
 
 
 async def test_a_prefix_decode_holds_is_not_moved_again_and_the_rest_lands_after_it(vllm_pd, vllm_reference,
-                                                                                    vllm_http):
+                                                                                    http):
     """Decode caches the blocks it received; a prompt sharing three of them finds them there, and
     decode grants only the rest, naming the sender's first page it takes (src_offset 3)."""
     first = client.prompts(1, 3 * BLOCK + 10, seed=31)[0]
     second = first[:3 * BLOCK] + client.prompts(1, 45, seed=32)[0]
     for prompt in (first, second):
-        before = await sources(vllm_http, vllm_pd)
-        got = await vllm_stack.complete(vllm_http, vllm_pd.url, prompt, ANSWER_TOKENS)
+        before = await sources(http, vllm_pd)
+        got = await vllm_stack.complete(http, vllm_pd.url, prompt, ANSWER_TOKENS)
         assert got.output_ids == await vllm_reference.answer(prompt)
-        counts = moved(before, await sources(vllm_http, vllm_pd))
+        counts = moved(before, await sources(http, vllm_pd))
     assert counts == {"external_kv_transfer": len(second) - 3 * BLOCK, "local_cache_hit": 3 * BLOCK,
                       "local_compute": 0}
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)
 
 
 async def first_token_then_drop(http: aiohttp.ClientSession, url: str, prompt: list[int]) -> list[int]:
@@ -75,11 +75,11 @@ async def first_token_then_drop(http: aiohttp.ClientSession, url: str, prompt: l
     raise AssertionError("the stream ended before its first token")
 
 
-async def test_a_client_gone_after_its_first_token_leaves_nothing_held(vllm_pd, vllm_reference, vllm_http):
+async def test_a_client_gone_after_its_first_token_leaves_nothing_held(vllm_pd, vllm_reference, http):
     prompt = client.prompts(1, 70, seed=41)[0]
-    ids = await first_token_then_drop(vllm_http, vllm_pd.url, prompt)
+    ids = await first_token_then_drop(http, vllm_pd.url, prompt)
     assert ids[:1] == (await vllm_reference.answer(prompt, 1))
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
@@ -89,13 +89,13 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, 
 
 
 async def test_a_request_decode_never_takes_is_let_go_after_hold_s_and_a_late_decode_fails_cleanly(
-        vllm_pd, vllm_reference, vllm_http):
+        vllm_pd, vllm_reference, http):
     """Prefill answered (as the router asks it) and holds the request's blocks for decode's offer, but the
     client went away before decode was asked: after hold_s prefill frees them. Decode asked later with
     those kv_transfer_params gets an error at once (the prefill broker refuses the late offer), and
     both servers keep serving."""
     prompt = client.prompts(1, 80, seed=42)[0]
-    status, answer = await post(vllm_http, vllm_pd.servers["prefill"].url, {
+    status, answer = await post(http, vllm_pd.servers["prefill"].url, {
         "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}})
     assert status == 200, answer
@@ -103,19 +103,19 @@ async def test_a_request_decode_never_takes_is_let_go_after_hold_s_and_a_late_de
     assert params["do_remote_prefill"] and params["kvbroker"]["blocks"] == -(-len(prompt) // BLOCK)
 
     async def prefill_free():
-        return not any((await vllm_stack.held(vllm_http, vllm_pd.servers["prefill"].url)).values())
+        return not any((await vllm_stack.held(http, vllm_pd.servers["prefill"].url)).values())
 
     assert not await prefill_free(), "prefill does not hold the request's blocks for decode"
     assert await until(prefill_free, timeout=CONNECTOR["hold_s"] + 60), "prefill still holds the blocks"
-    status, late = await post(vllm_http, vllm_pd.servers["decode"].url, {
+    status, late = await post(http, vllm_pd.servers["decode"].url, {
         "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "stream": False,
         "kv_transfer_params": params})
     assert status >= 400 and "error" in late, late
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
-async def test_a_broker_restarted_comes_back_and_the_next_request_answers(vllm_pd, vllm_reference, vllm_http, side,
+async def test_a_broker_restarted_comes_back_and_the_next_request_answers(vllm_pd, vllm_reference, http, side,
                                                                          backend):
     broker = await restart_broker(vllm_pd, side, backend)
 
@@ -124,20 +124,20 @@ async def test_a_broker_restarted_comes_back_and_the_next_request_answers(vllm_p
 
     assert await until(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
     prompt = client.prompts(1, 60, seed=50)[0]
-    got = await vllm_stack.complete(vllm_http, vllm_pd.url, prompt, ANSWER_TOKENS)
+    got = await vllm_stack.complete(http, vllm_pd.url, prompt, ANSWER_TOKENS)
     assert got.output_ids == await vllm_reference.answer(prompt), f"after the {side} broker restarted"
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)
 
 
 async def test_decode_killed_mid_request_fails_its_requests_and_a_new_decode_answers_again(vllm_pd, vllm_reference,
-                                                                                          vllm_http, vllm_model):
+                                                                                          http, model):
     """Decode's server dies while it answers requests: they fail at the client (no answer cut short
     passes as whole), both brokers end what they held, prefill frees its blocks; a decode started
     again on the same port is in the router's rotation again and answers as the non-PD server."""
     decode = vllm_pd.servers["decode"]
     prompts = [client.prompts(1, 150, seed=60 + i)[0] for i in range(4)]
     answering = asyncio.Event()  # decode streams a first token: it holds the KV and generates
-    asked = [asyncio.ensure_future(vllm_stack.complete(vllm_http, vllm_pd.url, p, 300, answering=answering))
+    asked = [asyncio.ensure_future(vllm_stack.complete(http, vllm_pd.url, p, 300, answering=answering))
              for p in prompts]
     waiting = asyncio.ensure_future(answering.wait())
     try:
@@ -150,8 +150,8 @@ async def test_decode_killed_mid_request_fails_its_requests_and_a_new_decode_ans
         results = await asyncio.gather(*asked, return_exceptions=True)
     assert any(isinstance(r, Exception) for r in results), "no request was in flight when decode died"
     vllm_pd.servers["decode"] = await vllm_stack.start_server(
-        "decode", vllm_model, decode.log_path.parent, kv_transfer_config=vllm_pd.connector.decode_config,
+        "decode", model, decode.log_path.parent, kv_transfer_config=vllm_pd.connector.decode_config,
         env=vllm_pd.connector.decode_env, port=decode.port)
     # the router took the dead decode out of rotation; it is back once the router's health checks see it
     await vllm_pd.servers["router"].wait_ready("/readiness", 120)
-    await settled(vllm_pd, vllm_reference, vllm_http)
+    await settled(vllm_pd, vllm_reference, http)

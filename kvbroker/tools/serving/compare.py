@@ -19,7 +19,6 @@ import contextlib
 import functools
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from kvbroker.tools.launch import stopping_on_signals
 from kvbroker.tools.serving import client, stack
 
 # ask(http, url, prompt token ids, tokens to generate) -> the streamed, greedy answer
@@ -56,20 +56,8 @@ def run_stopping_on_signals(main: Awaitable[T]) -> T:
     """asyncio.run(main), where SIGTERM and SIGINT cancel it, so that the `started`/`deployments` blocks
     it is in stop their servers and brokers before the process ends (killed, a run left its servers
     running); an interrupted run exits 130."""
-    async def guarded() -> T:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, task.cancel)
-        try:
-            return await main
-        finally:
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(signum)
-
     try:
-        return asyncio.run(guarded())
+        return asyncio.run(stopping_on_signals(main))
     except asyncio.CancelledError:
         print(f"{Path(sys.argv[0]).name}: interrupted; what it started is stopped", file=sys.stderr)
         raise SystemExit(130) from None
