@@ -35,12 +35,12 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from kvbroker.tools import shapes  # noqa: E402
-from kvbroker.tools.launch import start_broker  # noqa: E402
 from kvbroker_client.shm import SharedSegment  # noqa: E402
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc  # noqa: E402
 from kvbroker_client.v1 import peer_service_pb2 as ppb  # noqa: E402
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc  # noqa: E402
+from kvbroker_tools import shapes  # noqa: E402
+from kvbroker_tools.launch import start_broker  # noqa: E402
 
 TAIL = 64 << 10
 SIZE = 4096

@@ -5,7 +5,7 @@
 
 On one machine with an NVIDIA GPU (one is enough: both servers then share it; with two, the
 decode side takes the second):
-- two brokers start (kvbroker.tools.launch.start_broker), and two server processes (this script with
+- two brokers start (kvbroker_tools.launch.start_broker), and two server processes (this script with
   `--serve`), each holding a MiniMax-M3-shaped pool on its GPU: MAIN_KV as K and V on every layer,
   MINIMAX_INDEX_K on the sparse layers. Each server registers its pool with its own broker, for
   each ownership asked for: `server` (the server allocates with torch and exports CUDA IPC handles
@@ -55,7 +55,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")  # what start_broker gives the br
 
 from kvbroker.core.planner import plan_runs  # noqa: E402
 from kvbroker.memory.mapping import plan_pool  # noqa: E402
-from kvbroker.tools import shapes  # noqa: E402
+from kvbroker_tools import shapes  # noqa: E402
 
 MiB = 1 << 20
 OWNERSHIPS = ("server", "broker")
@@ -292,9 +292,9 @@ async def broker_stage(check: Check, ownership: str, shape: shapes.ModelShape, d
     """Register both pools (`ownership`), move one verified request, then time `repeats` more."""
     import grpc
 
-    from kvbroker.tools.launch import start_broker
     from kvbroker_client.v1 import broker_service_pb2 as bpb
     from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+    from kvbroker_tools.launch import start_broker
 
     src_ids, dst_ids = page_lists(shape, check.seed)
     placements = shapes.place_buffers(shape) if ownership == "server" else broker_pool_placements(shape)[0]

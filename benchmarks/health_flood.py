@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from kvbroker.tools.launch import start_broker  # noqa: E402
+from kvbroker_tools.launch import start_broker  # noqa: E402
 
 IDLE = 3000
 CHECK_TIMEOUT_S = 10.0

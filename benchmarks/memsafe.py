@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvbroker.tools import shapes  # noqa: E402
+from kvbroker_tools import shapes  # noqa: E402
 
 SHM = Path("/dev/shm")
 # kvbroker bench's registration engine: 64 layers of MAIN_KV K and V (bf16, 4096 B a page) and
@@ -91,9 +91,9 @@ def reserve_section(shape: shapes.ModelShape, repeats: int) -> dict:
 async def register_section(shape: shapes.ModelShape, repeats: int, backends: list[str]) -> dict:
     import grpc
 
-    from kvbroker.tools.launch import start_broker
     from kvbroker_client.v1 import broker_service_pb2 as bpb
     from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+    from kvbroker_tools.launch import start_broker
 
     placements = shapes.place_buffers(shape)
     size = shapes.pool_size(shape, placements)

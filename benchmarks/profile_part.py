@@ -28,12 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvbroker.tools import shapes
-from kvbroker.tools.bench_children import _offered
-from kvbroker.tools.bench_setup import open_side
-from kvbroker.tools.shapes import BENCH_CONTROL
 from kvbroker_client.client import BrokerClient
 from kvbroker_client.shm import SharedSegment
+from kvbroker_tools import shapes
+from kvbroker_tools.bench_children import _offered
+from kvbroker_tools.bench_setup import open_side
+from kvbroker_tools.shapes import BENCH_CONTROL
 
 RATE_HZ = 1000
 FRAME = re.compile(r"(?P<name>.*) \((?P<file>.*?):\d+\)$")

@@ -5,19 +5,19 @@ own mooncake backend, in one run, on the same prompts; and where a kvbroker requ
                                                                [--model llama|minimax]
 
 Each deployment is SGLang's router over a prefill and a decode server (tiny Llama, random weights,
-built locally; kvbroker/tools/serving) started one after another and all kept up; kvbroker's have
+built locally; tooling/src/kvbroker_tools/serving) started one after another and all kept up; kvbroker's have
 a broker per server. TTFT: the same prompts sent to each deployment in turn, one request at a time
 (so load on the machine falls on all alike), streamed, greedy; the time from sending the request to
 the first streamed token, with the other deployments paused (SIGSTOP; `--no-pause-others` keeps them
 running: an idle SGLang scheduler spins on a core, and on 2 cores the idle deployment's two took CPU
 from the measured one). Requests/s: a batch sent at once to one deployment, then the next. Then,
-with the trace on (KVBROKER_SERVING_TRACE, kvbroker/tools/serving/trace.py), a kvbroker request's
+with the trace on (KVBROKER_SERVING_TRACE, tooling/src/kvbroker_tools/serving/trace.py), a kvbroker request's
 steps as each process logged them, in ms from the router post; and the median of each step over
 every TTFT sample (`timeline_medians`: the trace is on throughout), and per sample (`each`) when
 decode waited, saw Success and streamed the first token, and the garbage collections of 2 ms or
 more inside its TTFT, by process. JSON to --out, a summary on stdout.
 The targets (not tests): kvbroker's median TTFT <= 1.2x mooncake's on the Llama shape, <= 1.1x on the
-MiniMax-M3 shape (`--model minimax`: kvbroker/tools/serving/minimax.py, 3 dense + 4 K-only sparse
+MiniMax-M3 shape (`--model minimax`: tooling/src/kvbroker_tools/serving/minimax.py, 3 dense + 4 K-only sparse
 layers, whose PD transfer moves three components: sparse KV, index K, dense KV).
 """
 
@@ -37,7 +37,7 @@ TARGETS = {"llama": 1.2, "minimax": 1.1}  # kvbroker's median TTFT / mooncake's,
 
 def model_setup(name: str) -> dict:
     """The model's directory, its description, and what its servers need (arguments, environment)."""
-    from kvbroker.tools.serving import minimax, models
+    from kvbroker_tools.serving import minimax, models
 
     if name == "llama":
         return {"path": models.llama(), "args": (), "env": {},
@@ -110,7 +110,7 @@ def median_timeline(events: list[dict], series: dict) -> dict:
 
 
 async def traced_request(http, url: str, prompt: list[int], tokens: int, trace_dir: Path) -> dict:
-    from kvbroker.tools.serving import client, trace
+    from kvbroker_tools.serving import client, trace
 
     before = {e["key"] for e in trace.read(trace_dir) if e["event"] == "decode.send_metadata"}
     post_t = time.time()
@@ -128,7 +128,7 @@ async def traced_request(http, url: str, prompt: list[int], tokens: int, trace_d
 async def run(args: argparse.Namespace) -> dict:
     import aiohttp
 
-    from kvbroker.tools.serving import client, compare
+    from kvbroker_tools.serving import client, compare
 
     setup = model_setup(args.model)
     model, target = setup["path"], TARGETS[args.model]
@@ -151,7 +151,7 @@ async def run(args: argparse.Namespace) -> dict:
             rates[label] = await compare.throughput(http, url, batch, args.tokens)
             if label.startswith("kvbroker"):
                 timelines[label] = await traced_request(http, url, prompts[0], args.tokens, trace_dir)
-    from kvbroker.tools.serving import trace
+    from kvbroker_tools.serving import trace
 
     medians = median_timeline(trace.read(trace_dir), series)
     same = all(series[label].answers == series["mooncake"].answers for label in labels)
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep every deployment running while one is measured (by default the others are "
                              "SIGSTOPped: their idle schedulers spin and take the cores)")
     args = parser.parse_args(argv)
-    from kvbroker.tools.serving import compare
+    from kvbroker_tools.serving import compare
 
     result = compare.run_stopping_on_signals(run(args))
     stamp = time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())

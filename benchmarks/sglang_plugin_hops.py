@@ -57,9 +57,9 @@ async def main(requests: int, backend: str) -> dict:
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.plugins import load_plugins
 
-    from kvbroker.tools.launch import start_broker, start_brokers
     from kvbroker_client.adapter import Phase
     from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
+    from kvbroker_tools.launch import start_broker, start_brokers
     from tests.sglang import ranks
     from tests.sglang.conftest import Ranks, broker_flags
     from tests.sglang.pair import (

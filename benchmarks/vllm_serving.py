@@ -6,9 +6,9 @@ behind vllm-router, on the same prompts, in one run; and whether the PD answers 
 Deployments (`DEPLOYMENTS`, by label): `non-pd`, one vLLM server; `vllm-nixl`, vllm-router over a prefill
 and a decode server with vLLM's own NixlConnector; `kvbroker-nixl` and `kvbroker-mooncake`, the same
 with kvbroker's connector (clients/vllm) and a broker per server on that transfer engine
-(kvbroker/tools/serving/vllm_stack.py). Each entry is a function of the model and a log directory
+(tooling/src/kvbroker_tools/serving/vllm_stack.py). Each entry is a function of the model and a log directory
 that returns a started `vllm_stack.Deployment`. The servers run in .venv-vllm (scripts/setup.sh --test) on the tiny
-Llama of kvbroker/tools/serving/models.py (random weights, built locally), bfloat16, block size 32.
+Llama of tooling/src/kvbroker_tools/serving/models.py (random weights, built locally), bfloat16, block size 32.
 
 Deployments start one after another and stay up; the ones not asked are paused (SIGSTOP;
 `--no-pause-others` keeps them running). Each gets two warm-up requests. TTFT, one request at a time:
@@ -36,7 +36,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from kvbroker.tools.serving import client, compare, models, vllm_stack
+from kvbroker_tools.serving import client, compare, models, vllm_stack
 
 Starter = Callable[[Path, Path], Awaitable[vllm_stack.Deployment]]  # (model, log dir) -> a started deployment
 DEPLOYMENTS: dict[str, Starter] = {

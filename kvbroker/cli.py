@@ -5,16 +5,18 @@ one JSON line on stdout when both listeners are bound, with their resolved addre
 demo: two brokers in subprocesses, one MiniMax-M3-shaped request, every byte verified.
 status: a running broker's engines, peers and counters (kvbroker/ops/status.py).
 health: exit 0 if a broker reports SERVING (kvbroker/ops/probe.py; the image's HEALTHCHECK).
-bench: the benchmark suite (kvbroker/tools/bench.py): a table on the terminal, JSON with --json / --out.
+bench: the benchmark suite (kvbroker_tools.bench): a table on the terminal, JSON with --json / --out.
 
-The tooling (kvbroker/tools: demo, bench) is imported only inside its command's branch, as SGLang's
-get_kv_class imports each backend; its arguments are declared here, so that `kvbroker serve` loads
-neither the tooling nor numpy.
+demo and bench are the tooling's (the kvbroker-tools distribution in tooling/, which a checkout's
+scripts/setup.sh installs and the daemon's wheel and image do not carry). It is imported only inside
+its command's branch, as SGLang's get_kv_class imports each backend; its arguments are declared here,
+so that `kvbroker serve` loads neither the tooling nor numpy, and a daemon without it says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -39,7 +41,7 @@ async def serve(settings: Settings) -> int:
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
-    """`kvbroker demo`'s arguments (kvbroker/tools/demo.py `run`)."""
+    """`kvbroker demo`'s arguments (tooling/src/kvbroker_tools/demo.py `run`)."""
     parser.add_argument("--preset", choices=["toy", "large"], default="toy")
     parser.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     parser.add_argument("--seed", type=int, default=0)
@@ -47,7 +49,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
-    """`kvbroker bench`'s arguments (kvbroker/tools/bench.py `run`)."""
+    """`kvbroker bench`'s arguments (tooling/src/kvbroker_tools/bench.py `run`)."""
     parser.add_argument("--quick", action="store_true", help="small sizes, few iterations (under a minute)")
     parser.add_argument("--json", action="store_true",
                         help="print the JSON report on stdout (the table goes to stderr)")
@@ -99,16 +101,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)  # engine libraries may crash in their own teardown after a clean shutdown
-    if args.command == "demo":
-        from kvbroker.tools import demo
-
+    if args.command in ("demo", "bench"):
+        if importlib.util.find_spec("kvbroker_tools") is None:
+            print(f"kvbroker {args.command}: needs the kvbroker-tools package, which this installation does not have "
+                  "(from a checkout: bash scripts/setup.sh, or pip install -e tooling)", file=sys.stderr)
+            return 2
+        tool = importlib.import_module(f"kvbroker_tools.{args.command}")
         logs.configure("WARNING", "text")
-        return _run(demo.run(args.preset, args.backend, args.seed, args.json))
-    if args.command == "bench":
-        from kvbroker.tools import bench
-
-        logs.configure("WARNING", "text")
-        return _run(bench.run(args))
+        if args.command == "demo":
+            return _run(tool.run(args.preset, args.backend, args.seed, args.json))
+        return _run(tool.run(args))
     if args.command == "status":
         return status.run(args)
     if args.command == "health":

@@ -31,6 +31,7 @@ compile() {  # compile LOCK [uv flags]: locks/LOCK.in -> LOCK.txt, for CPython 3
     scripts/uv.sh pip compile "locks/$name.in" -o "$out/$name.txt" --quiet --generate-hashes \
         --python-version 3.11 --python-platform x86_64-manylinux_2_36 \
         --no-emit-package kvbroker --no-emit-package kvbroker-client --no-emit-package kvbroker-sglang \
+        --no-emit-package kvbroker-tools \
         --custom-compile-command "bash scripts/lock.sh" ${upgrade[@]+"${upgrade[@]}"} "$@"
 }
 compile uv

@@ -2,7 +2,8 @@
 # Installs what kvbroker needs on a fresh Debian machine with Python 3.11, exactly as locked in
 # locks/ (bash scripts/lock.sh moves the locks forward): Debian's libibverbs1, which Mooncake's CPU
 # build loads; a virtualenv in .venv with the daemon, both transfer engines and the client packages
-# (locks/runtime-cpu.txt; torch is the CPU build). With --test, the suite's environment instead:
+# (locks/runtime-cpu.txt; torch is the CPU build), and the tooling (tooling/: `kvbroker demo` and
+# `bench`, the serving stacks; no requirement beyond the daemon's). With --test, the suite's environment instead:
 # the test tools, the SGLang plugin and SGLang 0.5.23 for tests/sglang and tests/servers
 # (locks/test.txt, and locks/sglang-nodeps.txt, whose packages come without their own requirements),
 # and buf from npm into .tools/; and vLLM's CPU build with its router in a venv of its own, .venv-vllm
@@ -28,7 +29,7 @@ locks_of() { if [[ $1 == test ]]; then echo locks/test.txt locks/sglang-nodeps.t
 digest() {  # what an environment of mode $1 was installed from
     # shellcheck disable=SC2046  # lock file names
     cat $(locks_of "$1") pyproject.toml setup.py kvbroker/memory/_memguard.c clients/python/pyproject.toml \
-        clients/sglang/pyproject.toml | sha256sum | cut -d' ' -f1
+        clients/sglang/pyproject.toml tooling/pyproject.toml | sha256sum | cut -d' ' -f1
 }
 stamp=.venv/.kvbroker-installed
 installed=$(cat "$stamp" 2>/dev/null || true)
@@ -37,7 +38,7 @@ if [[ ! -x .venv/bin/python ]] || { [[ $installed != "test $(digest test)" ]] &&
     rm -f "$stamp"
     # shellcheck disable=SC2046  # lock file names
     scripts/uv.sh pip sync --quiet --python .venv/bin/python --require-hashes $(locks_of "$mode")
-    locals=(-e clients/python -e .)
+    locals=(-e clients/python -e . -e tooling)
     [[ $mode == test ]] && locals+=(-e clients/sglang)
     scripts/uv.sh pip install --quiet --python .venv/bin/python --no-deps --no-build-isolation "${locals[@]}"
     echo "$mode $(digest "$mode")" >"$stamp"

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools import shapes
-from kvbroker.tools.launch import BrokerProcess, exit_report, start_broker, stop_all
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools import shapes
+from kvbroker_tools.launch import BrokerProcess, exit_report, start_broker, stop_all
 
 # The session's non-PD SGLang server, shared by tests/servers and the fleet (tests/vllm).
 pytest_plugins = ("tests.sglang_reference",)

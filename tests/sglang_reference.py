@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.serving import client, models, stack
+from kvbroker_tools.serving import client, models, stack
 
 ANSWER_TOKENS = 8
 

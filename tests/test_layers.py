@@ -7,7 +7,8 @@
 - peers.clients is the gRPC client side of the peer plane: it may import grpc and the stubs, and
   converts their messages itself (peers/wire.py), never through the edge;
 - no circle of imports among kvbroker's modules, counting those made for type checking only;
-- no class over 220 lines, no module over 500, kvbroker/tools and clients/ included (BrokerClient
+- the daemon (kvbroker) imports neither its tooling (kvbroker_tools, in tooling/) nor the tests;
+- no class over 220 lines, no module over 500, tooling/ and clients/ included (BrokerClient
   excepted, by name, until it is split by job);
 - the adapter core (kvbroker_client.adapter) imports no engine, and torch only in hostmem; an engine
   adapter (kvbroker_sglang, kvbroker_vllm) imports neither grpc nor BrokerClient (the core holds the
@@ -26,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvbroker"
 CLIENT_SOURCES = sorted((ROOT / "clients").glob("*/src"))
+TOOLING_SOURCE = ROOT / "tooling" / "src"
 ADAPTERS = ("kvbroker_sglang", "kvbroker_vllm")
 ENGINES = ("sglang", "vllm")
 # module -> the one module of an adapter that may look at the engine's role (its factory)
@@ -39,7 +41,7 @@ MAX_MODULE_LINES = 500
 
 
 def module_name(path: Path) -> str:
-    for src in CLIENT_SOURCES:
+    for src in [*CLIENT_SOURCES, TOOLING_SOURCE]:
         if path.is_relative_to(src):
             return module_name_under(path, src)
     return module_name_under(path, ROOT)
@@ -79,6 +81,10 @@ def imports(path: Path) -> set[str]:
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)
     return found
+
+
+def tooling_modules() -> dict[str, Path]:
+    return {module_name_under(p, TOOLING_SOURCE): p for p in sorted(TOOLING_SOURCE.rglob("*.py"))}
 
 
 def in_layer(name: str, layer: str) -> bool:
@@ -146,9 +152,15 @@ def test_no_circle_of_imports_among_kvbroker_modules():
     assert not circles, circles
 
 
+def test_the_daemon_imports_neither_its_tooling_nor_the_tests():
+    broken = [f"{name} imports {imported}" for name, path in modules().items() for imported in imports(path)
+              if imported.split(".")[0] in ("kvbroker_tools", "tests")]
+    assert not broken, broken
+
+
 def test_no_class_or_module_past_its_size():
     too_big = []
-    for name, path in {**modules(), **client_modules()}.items():
+    for name, path in {**modules(), **client_modules(), **tooling_modules()}.items():
         source = path.read_text()
         lines = source.count("\n")
         if lines > MAX_MODULE_LINES:
@@ -210,6 +222,9 @@ def test_the_rules_see_imports():
     clients = client_modules()
     assert "kvbroker_client.adapter.EngineLink" in imports(clients["kvbroker_sglang.manager"])
     assert "kvbroker_client.client" in imports(clients["kvbroker_client.adapter.link"])
+    tooling = tooling_modules()
+    assert "kvbroker_tools.launch.start_broker" in imports(tooling["kvbroker_tools.demo"])
+    assert "kvbroker_tools.serving.stack" in tooling and "kvbroker.cli" in modules()
 
 
 def test_no_test_module_imports_another():

@@ -182,7 +182,7 @@ async def run(prefill_target: str, decode_target: str, seed: int = 0) -> dict:
 
 
 async def spawn_and_run(seed: int) -> dict:
-    from kvbroker.tools.launch import start_broker  # kvbroker's tooling, only to start local brokers
+    from kvbroker_tools.launch import start_broker  # kvbroker's tooling, only to start local brokers
 
     brokers = await asyncio.gather(start_broker("example-prefill", "--log-level", "WARNING"),
                                    start_broker("example-decode", "--log-level", "WARNING"))

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.launch import BrokerProcess, start_broker, start_brokers
 from kvbroker_client import BrokerClient, ComponentSpec
 from kvbroker_client.tensors import SharedPool
+from kvbroker_tools.launch import BrokerProcess, start_broker, start_brokers
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # Loopback has only UCX's tcp and shared memory, which a forged region writes through: allowed here

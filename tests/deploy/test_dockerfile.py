@@ -138,12 +138,16 @@ def test_build_context_builds_both_packages(tmp_path):
         "kvbroker", "kvbroker_client"]
     (daemon,) = (tmp_path / "wheels").glob("kvbroker-*.whl")
     with zipfile.ZipFile(daemon) as wheel:  # the SIGBUS guard is compiled into it
-        assert [n for n in wheel.namelist() if n.startswith("kvbroker/memory/_memguard.") and n.endswith(".so")]
+        names = wheel.namelist()
+    assert [n for n in names if n.startswith("kvbroker/memory/_memguard.") and n.endswith(".so")]
+    # The daemon's wheel holds the daemon: no demo, bench or serving stand-ins (those are kvbroker_tools).
+    assert {n.split("/")[0] for n in names if not n.startswith("kvbroker-")} == {"kvbroker"}, sorted(names)
+    assert not [n for n in names if "tools" in n.split("/")[1:-1]], sorted(names)
 
 
 @pytest.mark.integration
 async def test_healthcheck_passes_against_a_serving_broker_and_fails_after_it_stops(tmp_path):
-    from kvbroker.tools.launch import start_broker
+    from kvbroker_tools.launch import start_broker
 
     socket = f"unix:{tmp_path}/kvbroker.sock"
     image_env = {**env_of(INSTRUCTIONS[: INSTRUCTIONS.index(only("ENTRYPOINT"))]), "KVBROKER_LISTEN": socket,

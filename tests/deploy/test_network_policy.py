@@ -87,7 +87,7 @@ def test_data_port_range_is_one_both_engines_honour(docs):
 @pytest.mark.integration
 async def test_a_broker_with_the_manifests_settings_listens_only_where_the_policy_opens(rendered, backend,
                                                                                          tmp_path):
-    from kvbroker.tools.launch import start_broker
+    from kvbroker_tools.launch import start_broker
 
     docs = rendered["decode"]
     env = {key: value for key, value in broker_settings(docs).items() if not key.startswith("KVBROKER_PEER_TLS")}

@@ -86,7 +86,7 @@ def grpcurl_commands() -> list[str]:
 
 @pytest.mark.integration
 async def test_grpcurl_commands_in_the_doc_work_against_a_broker(tmp_path: Path):
-    from kvbroker.tools.launch import start_broker
+    from kvbroker_tools.launch import start_broker
 
     commands = grpcurl_commands()
     assert len(commands) >= 5

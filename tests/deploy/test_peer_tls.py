@@ -145,9 +145,9 @@ def pod_env(docs: list[dict], folder: Path, socket: str) -> dict[str, str]:
 @pytest.mark.integration
 async def test_brokers_with_these_settings_transfer_over_mutual_tls_dialed_by_ip(rendered, backend, engines,
                                                                                    request_id, tmp_path):
-    from kvbroker.tools.launch import start_broker
     from kvbroker_client.v1 import broker_service_pb2 as bpb
     from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+    from kvbroker_tools.launch import start_broker
     from tests.conftest import ALL, Broker, assert_bytes, expected_after
 
     ca, started = trustme.CA(), {}
@@ -181,7 +181,7 @@ async def test_brokers_with_these_settings_transfer_over_mutual_tls_dialed_by_ip
 
 @pytest.mark.integration
 async def test_exec_probes_pass_as_kubelet_runs_them_and_fail_once_the_broker_stops(docs, tmp_path):
-    from kvbroker.tools.launch import start_broker
+    from kvbroker_tools.launch import start_broker
 
     folder = tmp_path / "tls"
     driver_like_identity(docs, trustme.CA(), folder, "probe-pod")

@@ -11,9 +11,9 @@ import socket
 import grpc
 import numpy as np
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools import shapes
 from tests.conftest import ALL
 from tests.helpers import rpc_refusal as refusal  # noqa: F401  the offered-flow tests' name
 

@@ -24,10 +24,10 @@ import pytest
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
 from kvbroker.core.model import Descriptors, Region
-from kvbroker.tools import shapes
-from kvbroker.tools.launch import exit_report
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools import shapes
+from kvbroker_tools.launch import exit_report
 from tests.conftest import ALL, assert_bytes, expected_after, run_engines_in_child
 from tests.helpers import descriptor_rows
 

@@ -19,8 +19,8 @@ import sys
 
 import pytest
 
-from kvbroker.tools.launch import ChildDied, exit_description, start_broker
 from kvbroker_client.client import BrokerClient
+from kvbroker_tools.launch import ChildDied, exit_description, start_broker
 from tests.conftest import REPO_ROOT, run_engines_in_child
 
 pytestmark = pytest.mark.integration
@@ -126,7 +126,7 @@ async def test_a_broker_not_ready_in_time_is_killed_and_its_stderr_reported():
 
 
 async def test_a_bench_child_killed_by_a_signal_says_so_with_its_stderr_tail():
-    from kvbroker.tools.bench_children import Child
+    from kvbroker_tools.bench_children import Child
 
     child = await Child.start("direct", "mooncake")
     try:

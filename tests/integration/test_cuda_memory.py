@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools import shapes
 from tests.conftest import SMALL
 
 pytestmark = [

@@ -21,8 +21,8 @@ import time
 import numpy as np
 import pytest
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_tools import shapes
 from tests.integration.flows import M3, offer
 from tests.integration.parts_model import MAIN, SHAPE, TERMINAL, Part, attempt
 

@@ -27,11 +27,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbroker.tools import shapes
-from kvbroker.tools.launch import start_broker
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools import shapes
+from kvbroker_tools.launch import start_broker
 from tests.conftest import (
     ALL,
     SMALL,

@@ -12,11 +12,11 @@ import secrets
 import grpc
 import pytest
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from kvbroker_tools import shapes
 from tests.conftest import assert_bytes, close_brokers, open_broker
 from tests.helpers import scrape
 from tests.integration.flows import MAIN, expect_pages, offer, part, watch_first

@@ -70,9 +70,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvbroker.tools import shapes
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools import shapes
 from tests.conftest import Engine
 from tests.integration.flows import DENSE, M3, offer, watch_first
 from tests.integration.parts_model import (

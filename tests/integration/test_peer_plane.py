@@ -21,11 +21,11 @@ import pytest
 import trustme
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvbroker.tools.shapes import CANARY
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from kvbroker_tools.shapes import CANARY
 from tests.conftest import assert_bytes, close_broker, close_brokers, open_broker
 from tests.integration.flows import MAIN, expect_pages, offer, part, refusal, watch_all
 from tests.integration.peer_side import Identity

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import trustme
 
-from kvbroker.tools.shapes import CANARY
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from kvbroker_tools.shapes import CANARY
 from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
 from tests.helpers import scrape
 from tests.integration.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_first

@@ -26,10 +26,10 @@ import pytest
 from kvbroker.backends import create_backend
 from kvbroker.config import Settings
 from kvbroker.core.model import Descriptors, Region
-from kvbroker.tools.launch import exit_description, start_broker
 from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
+from kvbroker_tools.launch import exit_description, start_broker
 from tests.conftest import (
     ALL,
     SMALL,

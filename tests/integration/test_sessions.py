@@ -95,7 +95,7 @@ async def test_a_server_that_dies_loses_its_engines(brokers, engines, request_id
     watcher = await engines.make(broker, "decode", fill="canary")  # not held: it only carries the probe
     script = textwrap.dedent(f"""
         import asyncio, grpc, sys
-        from kvbroker.tools import shapes
+        from kvbroker_tools import shapes
         from kvbroker_client.shm import SharedSegment
         from kvbroker_client.v1 import broker_service_pb2 as bpb, broker_service_pb2_grpc as bpb_grpc
         from tests.conftest import SMALL
@@ -177,7 +177,7 @@ async def test_an_engine_unregistered_by_its_server_is_not_released_twice(broker
 
 
 def engines_request(engine) -> bpb.RegisterEngineRequest:
-    from kvbroker.tools import shapes
+    from kvbroker_tools import shapes
 
     return shapes.register_request(engine.engine_id, engine.shape, engine.segment, engine.placements)
 

@@ -1,5 +1,5 @@
 """Fixtures of the real-server tests: SGLang 0.5.23 servers started as users start them
-(kvbroker/tools/serving), one PD deployment per transfer engine of the brokers, shared by a module's
+(tooling/src/kvbroker_tools/serving), one PD deployment per transfer engine of the brokers, shared by a module's
 tests, beside the session's non-PD reference server (tests/sglang_reference.py).
 
 Every test leaves both servers serving and both brokers holding nothing: `settled` checks that
@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvbroker.tools.serving import client, stack
+from kvbroker_tools.serving import client, stack
 from tests.helpers import until
 from tests.sglang_reference import ANSWER_TOKENS, Reference
 

@@ -1,4 +1,4 @@
-"""The MiniMax-M3-shaped model (3 dense + 4 K-only sparse layers, kvbroker/tools/serving/minimax.py)
+"""The MiniMax-M3-shaped model (3 dense + 4 K-only sparse layers, tooling/src/kvbroker_tools/serving/minimax.py)
 through SGLang 0.5.23 prefill and decode servers, SGLang's router and a kvbroker broker per server,
 on each transfer engine: every answer's greedy tokens equal a non-PD reference server's.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.serving import client, minimax, stack
+from kvbroker_tools.serving import client, minimax, stack
 from tests.servers import conftest
 from tests.servers.conftest import (
     ANSWER_TOKENS,

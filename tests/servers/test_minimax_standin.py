@@ -1,4 +1,4 @@
-"""The CPU stand-in for MiniMax-M3's sparse attention (kvbroker/tools/serving/minimax.py).
+"""The CPU stand-in for MiniMax-M3's sparse attention (tooling/src/kvbroker_tools/serving/minimax.py).
 
 What the PD tests lean on: the stand-in stores K, V and the index K through SGLang's own pool, reads
 them back from it, and picks the blocks it attends over by the index K, so a wrong index K in the
@@ -17,7 +17,7 @@ from tests.sglang.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
-from kvbroker.tools.serving import minimax  # noqa: E402
+from kvbroker_tools.serving import minimax  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, INDEX_HEADS, INDEX_DIM = 4, 2, 16, 2, 16
 SPARSE = [3, 4, 5, 6]
@@ -212,7 +212,7 @@ async def test_a_server_answers_deterministically_and_the_answer_depends_on_the_
     change; with the switch off again they are back."""
     import aiohttp
 
-    from kvbroker.tools.serving import client, stack
+    from kvbroker_tools.serving import client, stack
 
     switch = tmp_path / "index-k"
     server = await stack.start_reference(minimax.minimax(), tmp_path, args=minimax.SERVER_ARGS,

@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.serving import client, stack
+from kvbroker_tools.serving import client, stack
 from tests.servers.conftest import (
     ANSWER_TOKENS,
     CHUNK_TOKENS,

@@ -17,7 +17,7 @@ from tests.sglang.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
-from kvbroker.tools.launch import BrokerProcess, start_broker, start_brokers  # noqa: E402
+from kvbroker_tools.launch import BrokerProcess, start_broker, start_brokers  # noqa: E402
 from tests.sglang import ranks  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

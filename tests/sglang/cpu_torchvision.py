@@ -1,6 +1,6 @@
 """torchvision's op schemas on CPU torch, declared before sglang is imported: the rule lives in
-kvbroker.tools.serving.cpu_torchvision, shared with the real servers' start-up."""
+kvbroker_tools.serving.cpu_torchvision, shared with the real servers' start-up."""
 
-from kvbroker.tools.serving.cpu_torchvision import declare_torchvision_ops
+from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops
 
 __all__ = ["declare_torchvision_ops"]

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvbroker.tools.launch import start_broker
 from kvbroker_client import BrokerClient, Component
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
+from kvbroker_tools.launch import start_broker
 from tests.sglang import ranks
 from tests.sglang.conftest import broker_flags
 from tests.sglang.pair import (

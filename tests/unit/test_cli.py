@@ -1,6 +1,9 @@
-"""`kvbroker serve` refuses bad settings as argparse refuses a bad flag: exit 2, one line naming each."""
+"""`kvbroker serve` refuses bad settings as argparse refuses a bad flag: exit 2, one line naming each; a
+daemon installed without its tooling says so for `demo` and `bench`."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -24,3 +27,12 @@ def test_a_bad_environment_value_is_refused_the_same_way(capsys, monkeypatch):
     assert exited.value.code == 2
     assert "max_peer_reads (--max-peer-reads / KVBROKER_MAX_PEER_READS): Input should be greater than 0" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_daemon_without_its_tooling_says_which_package_the_command_needs(capsys, monkeypatch, command):
+    monkeypatch.setitem(sys.modules, "kvbroker_tools", None)  # as in the image: the package is not installed
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvbroker {command}: needs the kvbroker-tools package")
+    assert "pip install -e tooling" in err and "Traceback" not in err

@@ -16,9 +16,9 @@ from kvbroker.core.model import BrokerAllocation, Component, Layout
 from kvbroker.core.model import CudaIpcRef as BrokerCudaIpcRef
 from kvbroker.edge import convert
 from kvbroker.memory.mapping import POOL_ALIGNMENT
-from kvbroker.tools import shapes
 from kvbroker_client.model import CudaIpcRef
 from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_tools import shapes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 _spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)

@@ -1,4 +1,4 @@
-"""How the real-server tests judge an answer against the non-PD reference (kvbroker.tools.serving.client
+"""How the real-server tests judge an answer against the non-PD reference (kvbroker_tools.serving.client
 .mismatch): equal tokens pass, a tie in the reference may go either way and is checked on from the
 answer's choice, anything else names the first wrong token. The reference here is a table: greedy
 continuations by prompt."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbroker.tools.serving.client import TIE_NATS, Greedy, mismatch
+from kvbroker_tools.serving.client import TIE_NATS, Greedy, mismatch
 
 PROMPT = [5, 6]
 

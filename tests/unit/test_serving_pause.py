@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.tools.serving import compare
-from kvbroker.tools.serving.stack import PDStack, ServerProcess
+from kvbroker_tools.serving import compare
+from kvbroker_tools.serving.stack import PDStack, ServerProcess
 
 # A leader that starts a child in its process group, as an SGLang server starts its scheduler.
 FAMILY = ("import subprocess, sys, time; "

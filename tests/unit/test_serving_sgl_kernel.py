@@ -1,4 +1,4 @@
-"""The sgl_kernel stand-in the tooling's SGLang servers run with (kvbroker/tools/serving/site): each
+"""The sgl_kernel stand-in the tooling's SGLang servers run with (tooling/src/kvbroker_tools/serving/site): each
 function against a plain loop of what SGLang's Triton kernel does."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from kvbroker.tools.serving.stack import SITE
+from kvbroker_tools.serving.stack import SITE
 
 
 def _stand_in():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.tools.serving.stack import ServerProcess
+from kvbroker_tools.serving.stack import ServerProcess
 
 # A leader that maps one segment and starts a child in its group that maps another and holds a third
 # open without mapping it; each prints its names and sleeps (SIGTERM ignored: stop must SIGKILL it).

@@ -12,7 +12,7 @@ import pytest
 CHILD = """
 import asyncio, contextlib, sys
 from pathlib import Path
-from kvbroker.tools.serving import compare
+from kvbroker_tools.serving import compare
 
 class Deployment:
     async def stop(self):

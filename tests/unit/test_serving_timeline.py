@@ -7,7 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from kvbroker.tools.serving.compare import Series
+from kvbroker_tools.serving.compare import Series
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 _spec = importlib.util.spec_from_file_location("serving_bench", SCRIPT)

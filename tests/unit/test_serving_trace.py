@@ -1,11 +1,11 @@
-"""kvbroker/tools/serving/trace.py: a wrapped call is one line naming its request, a call that names
+"""tooling/src/kvbroker_tools/serving/trace.py: a wrapped call is one line naming its request, a call that names
 none is no line, and a long garbage collection is written with the process's next event."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvbroker.tools.serving import trace
+from kvbroker_tools.serving import trace
 
 
 @pytest.fixture

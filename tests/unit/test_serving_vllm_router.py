@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvbroker.tools.serving import vllm_stack
-from kvbroker.tools.serving.stack import ServerProcess
+from kvbroker_tools.serving import vllm_stack
+from kvbroker_tools.serving.stack import ServerProcess
 
 PREFILL_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_request_id": "prefill-7",
                   "kvbroker": {"v": 1, "broker_address": "127.0.0.1:9", "engines": [[0, 0, "prefill-0/tp0"]]},

@@ -14,9 +14,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvbroker.tools.launch import ChildDied
-from kvbroker.tools.serving import vllm_stack
-from kvbroker.tools.serving.stack import ServerProcess
+from kvbroker_tools.launch import ChildDied
+from kvbroker_tools.serving import vllm_stack
+from kvbroker_tools.serving.stack import ServerProcess
 
 
 @pytest.fixture

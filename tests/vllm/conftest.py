@@ -1,5 +1,5 @@
 """Fixtures of the vLLM tests: vLLM 0.32's own servers (.venv-vllm, built by scripts/setup.sh --test),
-started as users start them (kvbroker/tools/serving/vllm_stack.py): a non-PD reference server for the
+started as users start them (tooling/src/kvbroker_tools/serving/vllm_stack.py): a non-PD reference server for the
 session, and per transfer engine a prefill and a decode server with kvbroker's connector, a broker
 beside each, behind vllm-router, shared by a module's tests.
 
@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.launch import BrokerProcess, start_broker
-from kvbroker.tools.serving import client, stack, vllm_stack
+from kvbroker_tools.launch import BrokerProcess, start_broker
+from kvbroker_tools.serving import client, stack, vllm_stack
 from tests.helpers import until
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

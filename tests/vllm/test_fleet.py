@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kvbroker.tools.launch import start_broker, start_brokers
-from kvbroker.tools.serving import client, stack, vllm_stack
 from kvbroker_client import BrokerClient, BrokerError, Component, FailedPrecondition, SharedMemoryRef
+from kvbroker_tools.launch import start_broker, start_brokers
+from kvbroker_tools.serving import client, stack, vllm_stack
 from tests.vllm.conftest import ANSWER_TOKENS, CONNECTOR
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]  # six servers start together, in minutes here

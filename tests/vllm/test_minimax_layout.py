@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvbroker.tools.launch import start_broker
-from kvbroker.tools.serving import vllm_stack
+from kvbroker_tools.launch import start_broker
+from kvbroker_tools.serving import vllm_stack
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).with_name("minimax_kv_cache.py")

@@ -9,7 +9,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from kvbroker.tools.serving import client, stack, vllm_stack
+from kvbroker_tools.serving import client, stack, vllm_stack
 from tests.helpers import until
 from tests.vllm.conftest import ANSWER_TOKENS, BLOCK, CONNECTOR, restart_broker, settled
 

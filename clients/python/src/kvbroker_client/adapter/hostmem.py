@@ -13,7 +13,7 @@ Cost: one copy of each buffer (its zeros, into the segment), and the pool lives 
 must be large enough to hold it (containers: 64 MiB by default). The segments are torch's own
 (`torch_<pid>_...`): torch_shm_manager unlinks them when the process ends, but not when the server's
 whole process group is killed (SIGKILL, OOM): then they stay in /dev/shm, the KV cache's size each,
-until someone unlinks them (the test stacks do: kvbroker.tools.serving.stack). GPU tensors are left
+until someone unlinks them (the test stacks do: kvbroker_tools.serving.stack). GPU tensors are left
 alone (brokers open them by CUDA IPC).
 """
 

@@ -38,13 +38,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvbroker.tools import shapes
-from kvbroker.tools.bench_children import FLOWS, Child
-from kvbroker.tools.bench_data import data_plane
-from kvbroker.tools.bench_report import judge, machine, render
-from kvbroker.tools.bench_setup import QUICK, Plan, Side, open_side
-from kvbroker.tools.launch import ChildDied, stopping_on_signals
-from kvbroker.tools.shapes import BENCH_CONTROL, BENCH_ENGINE, engine_buffers, page_lists
+from kvbroker_tools import shapes
+from kvbroker_tools.bench_children import FLOWS, Child
+from kvbroker_tools.bench_data import data_plane
+from kvbroker_tools.bench_report import judge, machine, render
+from kvbroker_tools.bench_setup import QUICK, Plan, Side, open_side
+from kvbroker_tools.launch import ChildDied, stopping_on_signals
+from kvbroker_tools.shapes import BENCH_CONTROL, BENCH_ENGINE, engine_buffers, page_lists
 
 LOOPS = ("uvloop", "asyncio")
 
@@ -120,7 +120,7 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
         "exchange": exchange,
         "exchange_is": "per level: a bare message (ping) on the prefill client's Exchange stream, then the offered "
                        "flow's request with its ExpectTransfer and its part as commands on the two clients' streams "
-                       "(kvbroker/tools/bench_exchange.py); transfer_ms is the part, ping.call_ms the bare message; "
+                       "(kvbroker_tools/bench_exchange.py); transfer_ms is the part, ping.call_ms the bare message; "
                        "`unary` repeats the same level's offered row, measured just before",
         "rpc_floor": floor,
         "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer; "

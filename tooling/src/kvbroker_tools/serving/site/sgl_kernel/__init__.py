@@ -5,7 +5,7 @@ imports functions from it at module level: the two a dense model's serving calls
 (`sglang/kernels/ops/kvcache/cache_move.py`, `sglang/srt/mem_cache/allocation.py`) are here in
 torch; those of speculative decoding (`sglang/kernels/ops/speculative/`) raise NotImplementedError if
 called. The module registers no `torch.ops.sgl_kernel` operator, so SGLang's `cpu_has_amx_support()`
-is false and it takes its torch-native paths everywhere else. kvbroker/tools/serving puts this directory on the servers'
+is false and it takes its torch-native paths everywhere else. kvbroker_tools.serving puts this directory on the servers'
 PYTHONPATH; nothing of kvbroker's imports it.
 """
 

@@ -47,7 +47,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvbroker.tools.serving.patches import after_import
+from kvbroker_tools.serving.patches import after_import
 
 _lock = threading.Lock()
 _file = None

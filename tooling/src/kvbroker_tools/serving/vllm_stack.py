@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbroker.tools.launch import BrokerProcess, ChildDied
-from kvbroker.tools.serving import client, stack
-from kvbroker.tools.serving.stack import ServerProcess, free_port
+from kvbroker_tools.launch import BrokerProcess, ChildDied
+from kvbroker_tools.serving import client, stack
+from kvbroker_tools.serving.stack import ServerProcess, free_port
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 # ~45 s alone on 2 idle cores; one server took over 300 s beside another engineer's SGLang suite (a load
 # average of 10-20), most of it importing vLLM in its three processes one after another.
 START_TIMEOUT_S = 600.0
@@ -170,7 +170,7 @@ async def start_kvbroker_pd(model: Path, log_dir: Path, backend: str = "nixl", *
                             timeout: float = START_TIMEOUT_S, **extra) -> Deployment:
     """A broker per server (transfer engine `backend`), then a PD pair with kvbroker's connector
     (`extra`: its kv_connector_extra_config) behind vLLM's router; the brokers are the deployment's."""
-    from kvbroker.tools.launch import start_broker, start_brokers
+    from kvbroker_tools.launch import start_broker, start_brokers
 
     prefill, decode = await start_brokers(start_broker(f"vllm-prefill-{backend}", "--backend", backend),
                                           start_broker(f"vllm-decode-{backend}", "--backend", backend))

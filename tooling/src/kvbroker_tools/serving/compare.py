@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from kvbroker.tools.launch import stopping_on_signals
-from kvbroker.tools.serving import client, stack
+from kvbroker_tools.launch import stopping_on_signals
+from kvbroker_tools.serving import client, stack
 
 # ask(http, url, prompt token ids, tokens to generate) -> the streamed, greedy answer
 Ask = Callable[..., Awaitable[client.Answer]]

@@ -7,7 +7,7 @@ without importing it sooner (SGLang's import order stays its own).
   machine. Off, prefill takes its plain path (`kv_to_page_indices`), as for every other backend.
   This is SGLang's own mooncake backend, the comparison; kvbroker's sender never set the flag.
 
-kvbroker.tools.serving.minimax may use `after_import` for its stand-ins too.
+kvbroker_tools.serving.minimax may use `after_import` for its stand-ins too.
 """
 
 from __future__ import annotations

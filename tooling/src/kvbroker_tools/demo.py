@@ -8,7 +8,7 @@ component and offers it to the prefill broker; prefill sends the main KV in chun
 prefill), the last chunk with the index-K suffix after decode's prefix, the dense KV of every page
 and the aux bytes (first token, metadata). Decode then checks every destination page, every canary
 byte around them and the aux bytes it received with SUCCEEDED.
-Its shapes and pool helpers are kvbroker/tools/shapes.py, shared with the bench and the tests.
+Its shapes and pool helpers are tooling/src/kvbroker_tools/shapes.py, shared with the bench and the tests.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import time
 
 import numpy as np
 
-from kvbroker.tools.launch import start_broker, stop_all
-from kvbroker.tools.shapes import (
+from kvbroker_client import BrokerClient, Component
+from kvbroker_client.shm import SharedSegment
+from kvbroker_client.v1 import common_pb2 as pb
+from kvbroker_tools.launch import start_broker, stop_all
+from kvbroker_tools.shapes import (
     CANARY,
     PRESETS,
     expected_destination,
@@ -30,9 +33,6 @@ from kvbroker.tools.shapes import (
     pool_size,
     register_request,
 )
-from kvbroker_client import BrokerClient, Component
-from kvbroker_client.shm import SharedSegment
-from kvbroker_client.v1 import common_pb2 as pb
 
 COMPONENTS = ("MAIN_KV", "MINIMAX_INDEX_K", "MINIMAX_DENSE_KV")
 CHUNKS = 4  # parts of the main KV

@@ -1,7 +1,7 @@
 """`bash scripts/demo.sh --sglang`: the real PD deployment with kvbroker, one request, its answer and its
 time to first token beside SGLang's own mooncake backend, in the same run.
 
-Builds the tiny Llama and its tokenizer locally (kvbroker.tools.serving.models), starts SGLang 0.5.23's
+Builds the tiny Llama and its tokenizer locally (kvbroker_tools.serving.models), starts SGLang 0.5.23's
 router over a prefill and a decode server with `--disaggregation-transfer-backend kvbroker` and a
 kvbroker broker per server (NIXL), then the same with `--disaggregation-transfer-backend mooncake`,
 sends each the same prompt (greedy, streamed) and prints both answers, whether their tokens agree,
@@ -22,7 +22,7 @@ async def run(args: argparse.Namespace) -> int:
     import aiohttp
     from tokenizers import Tokenizer
 
-    from kvbroker.tools.serving import compare, models
+    from kvbroker_tools.serving import compare, models
 
     model = models.llama()
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))  # the servers' own tokenizer, without transformers
@@ -48,14 +48,14 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbroker.tools.serving.demo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvbroker_tools.serving.demo", description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=["nixl", "mooncake"], default="nixl", help="the brokers' transfer engine")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--tokens", type=int, default=16, help="tokens to generate (greedy)")
     parser.add_argument("--repeats", type=int, default=5, help="requests per backend for the median TTFT")
     parser.add_argument("--log-dir", help="where the servers log (default: a new temporary directory)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
-    from kvbroker.tools.serving import compare
+    from kvbroker_tools.serving import compare
 
     return compare.run_stopping_on_signals(run(parser.parse_args(argv)))
 

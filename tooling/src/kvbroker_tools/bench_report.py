@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbroker.tools.shapes import PATTERNS, MiB
+from kvbroker_tools.shapes import PATTERNS, MiB
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ def judge(report: dict) -> list[dict]:
                     add(TARGETS["rps_claimed"], subject, r.get("requests_per_s_vs_claimed"),
                         f"{r['requests_per_s']:.0f} req/s; {notify.get('notices_per_call')} notices per NotifyParts")
     if control and control.get("exchange"):
-        from kvbroker.tools import bench_exchange
+        from kvbroker_tools import bench_exchange
 
         for key, text, threshold, higher, figure, detail in bench_exchange.verdicts(control["exchange"]):
             add(Target(key, text, threshold, higher), detail.partition(":")[0], figure, detail.partition(": ")[2])
@@ -286,7 +286,7 @@ def render(report: dict) -> str:
         if report.get(key):
             lines += part(report[key])
         if key == "control_plane" and (report.get(key) or {}).get("exchange"):
-            from kvbroker.tools import bench_exchange
+            from kvbroker_tools import bench_exchange
 
             lines += bench_exchange.render(report[key]["exchange"])
     if report["targets"]:

@@ -1,7 +1,7 @@
 """`bash scripts/demo.sh --vllm`: vLLM's real PD deployment with kvbroker's connector, one prompt, its answer
 beside a non-PD vLLM server's and the time to first token of both.
 
-Builds the tiny Llama and its tokenizer locally (kvbroker.tools.serving.models), starts a non-PD vLLM
+Builds the tiny Llama and its tokenizer locally (kvbroker_tools.serving.models), starts a non-PD vLLM
 0.32 server and vllm-router over a prefill and a decode server with kvbroker's connector
 (`--kv-transfer-config '{"kv_connector": "KvbrokerConnector", "kv_connector_module_path":
 "kvbroker_vllm", ...}'`) and a broker beside each (NIXL; `--engine mooncake` for Mooncake's), sends
@@ -24,7 +24,7 @@ async def run(args: argparse.Namespace) -> int:
     import aiohttp
     from tokenizers import Tokenizer
 
-    from kvbroker.tools.serving import compare, models, vllm_stack
+    from kvbroker_tools.serving import compare, models, vllm_stack
 
     model = models.llama()
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
@@ -66,7 +66,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvbroker.tools.serving.vllm_demo",
+    parser = argparse.ArgumentParser(prog="python -m kvbroker_tools.serving.vllm_demo",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--engine", choices=["nixl", "mooncake"], default="nixl", help="the brokers' transfer engine")
     parser.add_argument("--prompt", default=PROMPT)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="requests per deployment for the median TTFT")
     parser.add_argument("--log-dir", help="where the servers log (default: a new temporary directory)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
-    from kvbroker.tools.serving import compare
+    from kvbroker_tools.serving import compare
 
     return compare.run_stopping_on_signals(run(parser.parse_args(argv)))
 

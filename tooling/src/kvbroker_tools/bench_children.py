@@ -1,6 +1,6 @@
 """The bench's child processes, and the handle the parent holds on each (`Child`).
 
-A child runs as `python -m kvbroker.tools.bench_children direct BACKEND | control CONFIG` and speaks
+A child runs as `python -m kvbroker_tools.bench_children direct BACKEND | control CONFIG` and speaks
 JSON lines on stdout (whatever a library prints goes to stderr):
 - `direct`: the engine without a broker, two Backend instances driven by the parent over stdin
   (`setup`, `plan`, `plan_parts`, `write`, `teardown`), one sender and one receiver or both in one
@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbroker.tools import shapes
-from kvbroker.tools.launch import FATAL_TAIL_LINES, ChildDied, exit_report
-from kvbroker.tools.shapes import ALL, MiB, engine_buffers
+from kvbroker_tools import shapes
+from kvbroker_tools.launch import FATAL_TAIL_LINES, ChildDied, exit_report
+from kvbroker_tools.shapes import ALL, MiB, engine_buffers
 
 
 class Child:
-    """A `python -m kvbroker.tools.bench_children ...` process: one JSON line in, one JSON line out. A
+    """A `python -m kvbroker_tools.bench_children ...` process: one JSON line in, one JSON line out. A
     child that dies raises ChildDied from `reply` (or `stop`), saying how it ended, with its stderr tail."""
 
     def __init__(self, process: asyncio.subprocess.Process, what: str) -> None:
@@ -49,7 +49,7 @@ class Child:
     @classmethod
     async def start(cls, *args: str) -> Child:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-X", "faulthandler", "-m", "kvbroker.tools.bench_children", *args,
+            sys.executable, "-X", "faulthandler", "-m", "kvbroker_tools.bench_children", *args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, limit=64 * MiB,
             env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")})
@@ -277,8 +277,8 @@ async def _floor_worker(client, window: Window) -> None:
 async def _control_child(config: dict) -> dict:
     """Per concurrency level, side by side: the floor (bare GetBrokerInfo), the claimed flow and the
     offered flow, each a window of `seconds` after `warmup_s`; then each flow against the floor."""
-    from kvbroker.tools import bench_exchange
     from kvbroker_client.client import BrokerClient
+    from kvbroker_tools import bench_exchange
 
     loop = asyncio.get_running_loop()
     prefill = await BrokerClient.connect(config["prefill"], exchange=False)  # the unary calls
@@ -427,7 +427,7 @@ def _child_main(argv: Sequence[str]) -> None:
         out.write(json.dumps({"ok": True, **report}) + "\n")
         out.flush()
     else:
-        raise SystemExit(f"usage: python -m kvbroker.tools.bench_children direct BACKEND | control CONFIG "
+        raise SystemExit(f"usage: python -m kvbroker_tools.bench_children direct BACKEND | control CONFIG "
                          f"(got {role!r})")
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvbroker.tools.bench_children import Child
-from kvbroker.tools.launch import ChildDied, stop_all
+from kvbroker_tools.bench_children import Child
+from kvbroker_tools.launch import ChildDied, stop_all
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ class Side:
 
 
 async def open_side(backend: str, with_direct: bool, timeout: float) -> Side:
-    from kvbroker.tools.launch import start_broker, start_brokers
     from kvbroker_client.client import BrokerClient
+    from kvbroker_tools.launch import start_broker, start_brokers
 
     flags = ("--backend", backend, "--log-level", "WARNING", "--transfer-timeout-s", str(timeout),
              "--metrics-listen", "127.0.0.1:0")  # scraped only at the control plane's window edges

@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from kvbroker.tools import shapes
-from kvbroker.tools.bench_setup import Plan, Side
-from kvbroker.tools.shapes import (
+from kvbroker_tools import shapes
+from kvbroker_tools.bench_setup import Plan, Side
+from kvbroker_tools.shapes import (
     ALL,
     BENCH_ENGINE,
     PATTERNS,

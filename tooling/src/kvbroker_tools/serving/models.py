@@ -97,7 +97,7 @@ def build_tokenizer(directory: Path):
 def _build_llama(directory: Path) -> None:
     import torch
 
-    from kvbroker.tools.serving.cpu_torchvision import declare_torchvision_ops
+    from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops
 
     declare_torchvision_ops()  # transformers' model modules import torchvision
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -15,7 +15,7 @@ bounded, and a child that dies says how, with the tail of its log. Each server l
 `log_dir` (SGLang logs much; a file keeps its pipe from ever filling).
 
 The servers run with `site/` first on PYTHONPATH: its `sgl_kernel` stand-in and its sitecustomize
-(torchvision's schemas; KVBROKER_SERVING_MINIMAX=1 installs kvbroker.tools.serving.minimax).
+(torchvision's schemas; KVBROKER_SERVING_MINIMAX=1 installs kvbroker_tools.serving.minimax).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbroker.tools.launch import BrokerProcess, ChildDied, exit_description, start_broker
+from kvbroker_tools.launch import BrokerProcess, ChildDied, exit_description, start_broker
 
 SITE = Path(__file__).resolve().parent / "site"
 LOG_TAIL_LINES = 40

@@ -9,7 +9,7 @@ the suite's MiniMax-M3-like engines, and for laying them out in shared memory.
 - checks: `expected_destination` (the destination pool after a transfer), `moved_pages_match`;
 - `engine_buffers`: a pool's layer buffers as the broker orders them, for driving a Backend directly.
 
-Callers: kvbroker/tools (demo, bench), tests/, benchmarks/gpu_check.py. The daemon never imports it.
+Callers: tooling/src/kvbroker_tools (demo, bench), tests/, benchmarks/gpu_check.py. The daemon never imports it.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ SERVER_ARGS = ("--trust-remote-code", "--load-format", "dummy")
 
 CORRUPT_ENV = "KVBROKER_MINIMAX_CORRUPT_INDEX_K"
 
-_CONFIG_MODULE = '''"""Configuration of a MiniMax-M3-shaped test model (written by kvbroker.tools.serving.minimax)."""
+_CONFIG_MODULE = '''"""Configuration of a MiniMax-M3-shaped test model (written by kvbroker_tools.serving.minimax)."""
 
 from transformers import PretrainedConfig
 
@@ -86,7 +86,7 @@ class MiniMaxM3TestConfig(PretrainedConfig):
 def model_config(vocab_size: int) -> dict:
     """The config.json of the model: small sizes, MiniMax-M3's structure.
 
-    float32 for the reason kvbroker.tools.serving.models gives for its Llama: the PD checks compare
+    float32 for the reason kvbroker_tools.serving.models gives for its Llama: the PD checks compare
     greedy tokens with a non-PD server's, and bfloat16 turns random weights' near-ties into flips.
     """
     sparse = [0] * DENSE_LAYERS + [1] * SPARSE_LAYERS
@@ -142,12 +142,12 @@ def build_minimax_model(path: str | os.PathLike, tokenizer_dir: str | os.PathLik
 
     `tokenizer_dir`: a directory holding a tokenizer (tokenizer.json and its companions) to copy in;
     without one, the serving tools' byte-level BPE tokenizer is trained into `path`
-    (kvbroker.tools.serving.models.build_tokenizer). Weights: none; serve with SERVER_ARGS
+    (kvbroker_tools.serving.models.build_tokenizer). Weights: none; serve with SERVER_ARGS
     (`--load-format dummy`), and install() redraws them.
     """
     from transformers import AutoTokenizer
 
-    from kvbroker.tools.serving import models
+    from kvbroker_tools.serving import models
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -167,9 +167,9 @@ def build_minimax_model(path: str | os.PathLike, tokenizer_dir: str | os.PathLik
 
 
 def minimax() -> Path:
-    """The model's directory in the serving tools' cache (as kvbroker.tools.serving.models.llama()),
+    """The model's directory in the serving tools' cache (as kvbroker_tools.serving.models.llama()),
     built on first use under a name that hashes the recipe."""
-    from kvbroker.tools.serving import models
+    from kvbroker_tools.serving import models
 
     recipe = {"config": model_config(models.VOCAB_SIZE), "module": _CONFIG_MODULE, "corpus": models.CORPUS_PACKAGES,
               "v": models.RECIPE_VERSION}
@@ -383,14 +383,14 @@ def install() -> None:
     """Makes SGLang serve this model on a CPU: MiniMaxSparseAttnBackend's forward_extend and
     forward_decode become the stand-in's, and the dummy loader's weights `randomize_weights`'s.
 
-    Lazy (kvbroker.tools.serving.patches.after_import): a module not imported yet is patched when
+    Lazy (kvbroker_tools.serving.patches.after_import): a module not imported yet is patched when
     it is, so SGLang's import order stays its own; the patches are idempotent. Sets SERVER_ENV's
     variables where the environment does not already set them (so a sitecustomize that calls this
     sets them before SGLang reads them).
     """
     for name, value in SERVER_ENV.items():
         os.environ.setdefault(name, value)
-    from kvbroker.tools.serving.patches import after_import
+    from kvbroker_tools.serving.patches import after_import
 
     for name, patch in _PATCHES.items():
         after_import(name, patch)
