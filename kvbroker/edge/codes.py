@@ -1,6 +1,7 @@
 """What both servicers share at the gRPC edge:
 - `translate_errors`: wraps a unary servicer method, BrokerError → its status, anything else INTERNAL;
-- `status_code`, `details`: a domain code and message as gRPC sends them (streaming handlers);
+- `status_code`, `details`: a domain code and message as gRPC sends them (streaming handlers; the
+  numbers' table is kvbroker_client.codes, the clients' too);
 - `failure`: what a unary method's exception becomes, as a code and a message (translate_errors,
   and the Exchange stream's replies: one mapping for both);
 What every call meets before a servicer sees it (size, parse, lists, concurrency) is admission.py.
@@ -14,16 +15,14 @@ import logging
 import grpc
 
 from kvbroker.core.errors import BrokerError, Code
+from kvbroker_client import codes
 
 log = logging.getLogger(__name__)
 
 
 def status_code(code: Code | int) -> grpc.StatusCode:
-    number = int(code)
-    for candidate in grpc.StatusCode:
-        if candidate.value[0] == number:
-            return candidate
-    return grpc.StatusCode.UNKNOWN
+    """A domain code (the same numbers) as gRPC sends it."""
+    return codes.status_code(int(code))
 
 
 MAX_DETAILS_BYTES = 1024

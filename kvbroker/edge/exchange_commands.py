@@ -31,6 +31,7 @@ from kvbroker.edge.codes import failure, status_code
 from kvbroker.edge.outbox import Ended, Outbox, StreamObserver
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.transfers import TransferStatus
+from kvbroker_client.codes import code_number
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class ExchangeObserver(StreamObserver, Protocol):
 
 def error_reply(command_id: int, code: grpc.StatusCode | Code, message: str) -> bpb.ExchangeResponse:
     code = status_code(code) if isinstance(code, Code) else code
-    return bpb.ExchangeResponse(command_id=command_id, error=bpb.ExchangeError(code=code.value[0], message=message))
+    return bpb.ExchangeResponse(command_id=command_id, error=bpb.ExchangeError(code=code_number(code), message=message))
 
 
 def _ms(timeout: float | None) -> str:

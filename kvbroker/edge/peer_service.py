@@ -30,6 +30,7 @@ from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine
 from kvbroker.peers.notifier import MAX_BATCH
+from kvbroker_client.codes import code_number
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
@@ -142,7 +143,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
             acks = self._take_notices(request.notices, context)
         except Exception as exc:  # the status a NotifyParts (OfferGrant) call would have ended with
             code, reason = failure(exc, "NotifyStream")
-            return ppb.NotifyStreamResponse(seq=request.seq, code=code.value[0], reason=reason)
+            return ppb.NotifyStreamResponse(seq=request.seq, code=code_number(code), reason=reason)
         return ppb.NotifyStreamResponse(seq=request.seq, acks=ppb.NotifyPartsResponse(acks=acks))
 
     def _take_notices(self, request: ppb.NotifyPartsRequest, context) -> list[ppb.PartAck]:

@@ -42,6 +42,7 @@ from kvbroker.core.validation import (
     check_src_offsets,
 )
 from kvbroker.peers.link import GrantOffer, PartAck, PartNotice
+from kvbroker_client.codes import code_number
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 
@@ -200,7 +201,7 @@ def part_ack_in(ack: ppb.PartAck, address: str) -> PartAck:
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, prefix: str) -> BrokerError:
     """A peer's status becomes ours, with the peer named (from_status)."""
-    return from_status(exc.code().value[0], exc.details() or exc.code().name, prefix)
+    return from_status(code_number(exc.code()), exc.details() or exc.code().name, prefix)
 
 
 def from_status(number: int, details: str, prefix: str) -> BrokerError:
@@ -208,7 +209,7 @@ def from_status(number: int, details: str, prefix: str) -> BrokerError:
     our table (UNKNOWN, DATA_LOSS, OUT_OF_RANGE: the transport or a broken peer) and the peer's own
     INTERNAL (its bug, not ours) become UNAVAILABLE; UNAUTHENTICATED becomes PERMISSION_DENIED
     (DESIGN.md's peer that failed authentication)."""
-    if number == grpc.StatusCode.UNAUTHENTICATED.value[0]:
+    if number == code_number(grpc.StatusCode.UNAUTHENTICATED):
         return BrokerError(Code.PERMISSION_DENIED, f"{prefix}: {details}")
     try:
         domain = Code(number)

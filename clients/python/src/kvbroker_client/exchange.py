@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvbroker_client.codes import status_code
 from kvbroker_client.errors import DeadlineExceeded, error_for_code, from_rpc_error
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
@@ -37,7 +38,6 @@ log = logging.getLogger(__name__)
 
 _TERMINAL = (pb.TRANSFER_STATE_SUCCEEDED, pb.TRANSFER_STATE_FAILED)
 CANCEL_WAIT_S = 10.0  # how long a cancel of a command its caller left waits for the broker's answer
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class StreamBroken(Exception):
@@ -256,5 +256,5 @@ def _ms(timeout: float) -> int:
 
 
 def _error(error: bpb.ExchangeError):
-    code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    code = status_code(error.code)
     return error_for_code(code)(error.message or code.name)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvbroker_client.codes import status_code
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 
@@ -71,14 +72,6 @@ class TransferState(enum.IntEnum):
 class TransferRole(enum.IntEnum):
     SENDER = pb.TRANSFER_ROLE_SENDER
     RECEIVER = pb.TRANSFER_ROLE_RECEIVER
-
-
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def status_code(number: int) -> grpc.StatusCode:
-    """The grpc.StatusCode of a google.rpc.Code number (as carried in TransferStatus.code)."""
-    return _STATUS_CODES.get(number, grpc.StatusCode.UNKNOWN)
 
 
 @dataclass(frozen=True)
