@@ -36,10 +36,12 @@ from grpc_reflection.v1alpha import reflection
 
 from kvbroker.backends import create_backend, transports
 from kvbroker.config import Settings
-from kvbroker.edge.admission import NOTICE_STREAMS, Admission, PeerReads, RequestLimits, StreamQuota
+from kvbroker.edge.admission import Admission
 from kvbroker.edge.exchange import Exchanges
 from kvbroker.edge.outbox import StreamBounds
+from kvbroker.edge.peer_quotas import PeerReads, StreamQuota
 from kvbroker.edge.peer_service import PeerServicer
+from kvbroker.edge.request_limits import NOTICE_STREAMS, RequestLimits
 from kvbroker.edge.service import BrokerServicer
 from kvbroker.edge.tls import PeerTls
 from kvbroker.edge.trust import PeerCalls, PeerGate

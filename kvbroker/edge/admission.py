@@ -1,4 +1,6 @@
 """Bounds before work: what each gRPC server of the broker checks of a call before any handler sees it.
+What a request may carry is request_limits.py's (pure, from the settings and the proto); the peer port's
+shares per host are peer_quotas.py's; this module applies both to every call, refuses, logs and counts.
 
 `Admission`, the server interceptor server.py installs on both ports, wraps every method of every
 service there (kvbroker.v1, health, reflection):
@@ -28,218 +30,19 @@ import dataclasses
 import inspect
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
-from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from kvbroker.config import SMALL_MESSAGE_BYTES, page_list_bytes
 from kvbroker.edge.codes import details
+from kvbroker.edge.peer_quotas import PeerReads, SlotTimeout, StreamQuota, peer_host
+from kvbroker.edge.request_limits import COMMAND_STREAMS, NOTICE_STREAMS, Refusal, RequestLimits, leading_id
 from kvbroker.ops.logs import LogThrottle
 from kvbroker.ops.trim import MemoryTrim
 
 log = logging.getLogger(__name__)
 
-MAX_LIST_ENTRIES = 1024  # any list of a request other than page ids and layer buffers (components, notices)
-LAYER_BUFFER_BYTES = 512  # the most one LayerBuffer message takes: ids, lengths, a segment name or a CUDA handle
-# Page lists a request of each method may carry, each of up to max_pages_per_request ids; methods
-# not named here carry none and take SMALL_MESSAGE_BYTES, but for the ones below.
-PAGE_LISTS = {
-    "/kvbroker.v1.BrokerService/ExpectTransfer": 5,  # dst_page_ids, or one list per component
-    "/kvbroker.v1.BrokerService/Transfer": 6,  # src_page_ids and dst_page_ids, or one source list per component
-    "/kvbroker.v1.BrokerService/Exchange": 6,  # each message: one Transfer or one ExpectTransfer
-    "/kvbroker.v1.PeerService/ClaimGrant": 1,
-    "/kvbroker.v1.PeerService/OfferGrant": 4,
-}
-LAYER_BUFFER_METHODS = {"/kvbroker.v1.BrokerService/RegisterEngine"}
-# Streams whose messages are commands answered one by one (edge/exchange.py): a refused message is
-# handed to the handler, to answer under its command_id, and the stream goes on.
-COMMAND_STREAMS = {"/kvbroker.v1.BrokerService/Exchange"}
-WHOLE_MESSAGE_METHODS = {"/kvbroker.v1.PeerService/NotifyParts"}  # notices with aux payloads: the port's limit
-# Long-lived peer streams (NotifyStream): a stream holds no read slot of PeerReads while it waits for
-# its next message, which may be long; instead the streams are bounded in number (StreamQuota), and
-# each message to RequestLimits.notice_bytes, so that what they can hold at once is bounded.
-NOTICE_STREAMS = {"/kvbroker.v1.PeerService/NotifyStream"}
 NOTICE_STREAM_IDLE_S = 60.0  # a notice stream without a message for this long is ended (OK); the sender reopens
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """What the parser hands the handler instead of a request it refused."""
-
-    code: grpc.StatusCode
-    message: str
-    kind: str  # the reason, for the log throttle and the refusal counter (REFUSAL_REASONS)
-    command_id: int | None = None  # a command stream's message: its command_id, when it could be read
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """The sizes and counts a request on one port may have; pure, from the settings."""
-
-    port_bytes: int  # grpc's limit on the port
-    port_setting: str  # the setting that sets it
-    max_pages: int  # max_pages_per_request
-    max_layer_buffers: int
-    notice_bytes: int = 1 << 20  # one message of a notice stream (server.py: notice_stream_bytes)
-
-    def bytes_for(self, method: str) -> tuple[int, str]:
-        """The most a request of `method` may take on the wire, and what says so."""
-        if method in NOTICE_STREAMS and self.notice_bytes < self.port_bytes:
-            return self.notice_bytes, "1 MiB, or max_aux_bytes plus 64 KiB, per message of a notice stream"
-        if method in WHOLE_MESSAGE_METHODS or method in NOTICE_STREAMS:
-            return self.port_bytes, self.port_setting
-        if method in LAYER_BUFFER_METHODS:
-            most, why = self.max_layer_buffers * LAYER_BUFFER_BYTES, f"max_layer_buffers={self.max_layer_buffers}"
-        elif method in PAGE_LISTS:
-            lists = PAGE_LISTS[method]
-            most = lists * page_list_bytes(self.max_pages)
-            why = f"{lists} page list{'s' if lists > 1 else ''} of max_pages_per_request={self.max_pages}"
-        else:
-            most, why = 0, "no page lists"
-        most += SMALL_MESSAGE_BYTES
-        if most >= self.port_bytes:
-            return self.port_bytes, self.port_setting
-        return most, why
-
-    def check_lists(self, request: Message) -> Refusal | None:
-        """The first list of `request` over its bound, as a refusal; None when all are within."""
-        buffers = 0
-        stack = [request]
-        while stack:
-            message = stack.pop()
-            nested = _nested_lists(message.DESCRIPTOR)
-            for field, value in message.ListFields():
-                if field.is_repeated:
-                    count = len(value)
-                    if field.name.endswith("page_ids"):
-                        if count > self.max_pages:
-                            return self._too_many(f"{field.name}: {count} page ids exceed the limit of "
-                                                  f"{self.max_pages} per request (max_pages_per_request)")
-                    elif field.name == "layer_buffers":
-                        buffers += count
-                        if buffers > self.max_layer_buffers:
-                            return self._too_many(f"layer_buffers: more than {self.max_layer_buffers} layer buffers "
-                                                  f"in one engine (max_layer_buffers)")
-                    elif count > MAX_LIST_ENTRIES:
-                        return self._too_many(f"{field.name}: {count} entries exceed the {MAX_LIST_ENTRIES} any "
-                                              "list of the API holds")
-                    if field.name in nested:
-                        stack.extend(value)
-                elif field.name in nested:
-                    stack.append(value)
-        return None
-
-    @staticmethod
-    def _too_many(message: str) -> Refusal:
-        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, message, "too_many_entries")
-
-
-_NESTED: dict[str, frozenset[str]] = {}
-
-
-def _nested_lists(descriptor: Descriptor) -> frozenset[str]:
-    """Names of the message fields of `descriptor` whose type holds a list somewhere below (cached):
-    only those are walked, so a request's layer buffers, say, are counted but never visited."""
-    found = _NESTED.get(descriptor.full_name)
-    if found is None:
-        found = frozenset(f.name for f in descriptor.fields
-                          if f.type == FieldDescriptor.TYPE_MESSAGE and _holds_lists(f.message_type, set()))
-        _NESTED[descriptor.full_name] = found
-    return found
-
-
-def _holds_lists(descriptor: Descriptor, seen: set[str]) -> bool:
-    if descriptor.full_name in seen:
-        return False
-    seen.add(descriptor.full_name)
-    return any(f.is_repeated or (f.type == FieldDescriptor.TYPE_MESSAGE and _holds_lists(f.message_type, seen))
-               for f in descriptor.fields)
-
-
-def peer_host(peer: str) -> str:
-    """"ipv4:10.0.0.7:41234" → "ipv4:10.0.0.7": what calls from one peer have in common."""
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        return f"{kind}:{rest.rpartition(':')[0]}"
-    return peer
-
-
-class SlotTimeout(Exception):
-    """No read slot came free within PeerReads.wait_s."""
-
-
-class PeerReads:
-    """The peer port's reads: at most `reads` requests received and parsed at once, at most `per_host`
-    of them for one peer host, so that no host holds them all. A call waits for its turn with its
-    request unread, up to `wait_s`; the read itself has `wait_s` too."""
-
-    def __init__(self, reads: int, per_host: int, wait_s: float) -> None:
-        self.reads = reads
-        self.per_host = per_host
-        self.wait_s = wait_s
-        self._all = asyncio.Semaphore(reads)
-        self._hosts: dict[str, list] = {}  # host -> [its semaphore, calls holding or waiting for it]
-
-    def waiting(self, host: str) -> int:
-        entry = self._hosts.get(host)
-        return entry[1] if entry is not None else 0
-
-    async def read(self, context: grpc.aio.ServicerContext, host: str):
-        """The call's next request, read in turn. SlotTimeout when no turn came within wait_s,
-        TimeoutError when the request did not arrive within wait_s of its turn."""
-        entry = self._hosts.setdefault(host, [asyncio.Semaphore(self.per_host), 0])
-        entry[1] += 1
-        try:
-            try:
-                async with asyncio.timeout(self.wait_s):
-                    await entry[0].acquire()
-                    try:
-                        await self._all.acquire()
-                    except BaseException:
-                        entry[0].release()
-                        raise
-            except TimeoutError:
-                raise SlotTimeout from None
-            try:
-                async with asyncio.timeout(self.wait_s):
-                    return await context.read()
-            finally:
-                self._all.release()
-                entry[0].release()
-        finally:
-            entry[1] -= 1
-            if not entry[1]:
-                del self._hosts[host]
-
-
-class StreamQuota:
-    """The notice streams the peer port holds at once: at most `total`, at most `per_host` of one peer
-    host. One more is refused as it opens, before any of its messages is read."""
-
-    def __init__(self, total: int, per_host: int) -> None:
-        self.total = total
-        self.per_host = per_host
-        self._hosts: dict[str, int] = {}
-        self._open = 0
-
-    def enter(self, host: str) -> str | None:
-        """Count one more stream of `host`; or why not, naming the setting."""
-        if self._open >= self.total:
-            return f"{self._open} notice streams are open, the most this broker holds (max_peer_notice_streams)"
-        if self._hosts.get(host, 0) >= self.per_host:
-            return (f"{host} holds {self.per_host} notice streams, the most one peer host may "
-                    "(max_notice_streams_per_peer)")
-        self._open += 1
-        self._hosts[host] = self._hosts.get(host, 0) + 1
-        return None
-
-    def leave(self, host: str) -> None:
-        self._open -= 1
-        self._hosts[host] -= 1
-        if not self._hosts[host]:
-            del self._hosts[host]
 
 
 class Admission(grpc.aio.ServerInterceptor):
@@ -441,19 +244,6 @@ class Admission(grpc.aio.ServerInterceptor):
         if isinstance(request, Refusal):
             await self._refuse(request, method, context)
         return request
-
-
-def leading_id(data: bytes) -> int | None:
-    """The command_id of a command stream's message from its first bytes, without parsing the rest:
-    field 1 as a varint, which protobuf writes first; None when the message does not start so."""
-    if not data or data[0] != 0x08:
-        return None
-    value = 0
-    for i, byte in enumerate(data[1:11]):
-        value |= (byte & 0x7F) << (7 * i)
-        if not byte & 0x80:
-            return value if value < 1 << 64 else None
-    return None
 
 
 def _bare(exc: BaseException) -> BaseException:

@@ -32,10 +32,10 @@ import grpc
 
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.tasks import OwnedTasks
-from kvbroker.edge.admission import Refusal
 from kvbroker.edge.codes import details, failure
 from kvbroker.edge.exchange_commands import END_REASON, Carried, Commands, ExchangeObserver, error_reply
 from kvbroker.edge.outbox import Ended, Outbox, StreamBounds, end_stalled, gone
+from kvbroker.edge.request_limits import Refusal
 from kvbroker.flows.broker import Broker
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 

@@ -23,9 +23,9 @@ import grpc
 
 from kvbroker.core.errors import BrokerError, Code, invalid
 from kvbroker.edge import convert
-from kvbroker.edge.admission import peer_host
 from kvbroker.edge.codes import failure, translate_errors
 from kvbroker.edge.outbox import Outbox, StreamBounds, StreamObserver, serve
+from kvbroker.edge.peer_quotas import peer_host
 from kvbroker.edge.trust import PeerCalls, PeerGate, PeerIdentity
 from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine

@@ -10,19 +10,17 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor
 
 from kvbroker.config import SMALL_MESSAGE_BYTES, Settings, page_list_bytes, varint_bytes
-from kvbroker.edge.admission import (
+from kvbroker.edge.peer_quotas import PeerReads, SlotTimeout, StreamQuota, peer_host
+from kvbroker.edge.request_limits import (
     LAYER_BUFFER_BYTES,
     LAYER_BUFFER_METHODS,
     MAX_LIST_ENTRIES,
     NOTICE_STREAMS,
     PAGE_LISTS,
     WHOLE_MESSAGE_METHODS,
-    PeerReads,
     RequestLimits,
-    SlotTimeout,
-    StreamQuota,
     leading_id,
-    peer_host,
+    page_lists,
 )
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
@@ -73,6 +71,21 @@ def _carries_big(message, seen: set[str]) -> set[str]:
         if field.type == FieldDescriptor.TYPE_MESSAGE:
             found |= _carries_big(field.message_type, seen)
     return found
+
+
+def test_the_page_list_table_is_derived_from_the_proto():
+    """A page-id list counts one, a list per component counts once per component (four of them), a
+    oneof its biggest member: the counts the bounds were first written with by hand."""
+    assert PAGE_LISTS == {
+        "/kvbroker.v1.BrokerService/ExpectTransfer": 5,  # dst_page_ids, or pages: one list per component
+        "/kvbroker.v1.BrokerService/Transfer": 6,  # src_page_ids and dst_page_ids, or one source list per component
+        "/kvbroker.v1.BrokerService/Exchange": 6,  # each message: one Transfer (its most) or one ExpectTransfer
+        "/kvbroker.v1.PeerService/ClaimGrant": 1,
+        "/kvbroker.v1.PeerService/OfferGrant": 4,
+        "/kvbroker.v1.PeerService/NotifyStream": 4,  # an offer (its size is the notice stream's bound)
+    }
+    assert LAYER_BUFFER_METHODS == {"/kvbroker.v1.BrokerService/RegisterEngine"}
+    assert page_lists(pb.ComponentPages.DESCRIPTOR) == 1 and page_lists(bpb.TransferStatus.DESCRIPTOR) == 0
 
 
 def test_a_method_without_page_lists_takes_small_requests():
