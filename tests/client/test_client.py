@@ -354,7 +354,7 @@ async def test_a_session_lost_without_a_restart_is_opened_again_with_the_engines
         rid = unique("req")
         await client.expect_transfer(dst.engine_id, rid, dst_page_ids=[1])
         waiting = asyncio.create_task(client.wait(dst.engine_id, rid, timeout=30))
-        client._session_call.cancel()
+        client._session.call.cancel()
         with pytest.raises(Aborted):
             await waiting  # the broker released the engine: its grant failed
         status = await client.expect_transfer(dst.engine_id, unique("req"), dst_page_ids=[2], timeout=30)
@@ -529,7 +529,7 @@ async def test_a_broker_owned_engine_is_not_registered_again_after_a_restart(bro
         pooled, kept = (pool_engine(pools, unique("decode"), fill="canary") for _ in range(2))
         for engine in (pooled, kept):
             await client.register_engine(engine.engine_id, engine.topology, engine.components)
-        client._engines[pooled.engine_id].memory_ownership = bpb.MEMORY_OWNERSHIP_BROKER
+        client._registrations.engines[pooled.engine_id].memory_ownership = bpb.MEMORY_OWNERSHIP_BROKER
         await brokers_of_test.restart(broker)
         with pytest.raises(NotFound) as info:
             await client.expect_transfer(pooled.engine_id, unique("req"), dst_page_ids=[1], timeout=30)

@@ -50,8 +50,9 @@ async def test_dst_pages_and_src_pages_name_the_page_lists_and_do_not_warn(sent)
 
 async def test_the_old_names_still_work_and_warn(sent):
     client, requests = sent
-    with pytest.warns(DeprecationWarning, match="dst_pages"):
+    with pytest.warns(DeprecationWarning, match="dst_pages") as warned:
         await client.expect_transfer("d", "r", pages={MAIN: [1, 2]}, sender_address="p:1")
+    assert warned[0].filename == __file__  # the warning names the caller's line, not the client's
     with pytest.warns(DeprecationWarning, match="dst_page_ids"):
         await client.expect_transfer("d", "r2", [4, 5])
     with pytest.warns(DeprecationWarning, match="src_pages"):

@@ -49,32 +49,24 @@ retried only after NOT_FOUND: after UNAVAILABLE it may have reached the old brok
 old broker. Engines with broker-owned memory (`memory_ownership="broker"`) are not registered
 again: their pool went with the old broker, so the server must register them itself and use the
 new pool (`lost_engines` lists them; their calls raise NotFound saying so).
+
+BrokerClient is the façade; its jobs are modules of their own: requests.py builds and checks each
+request, calls.py sends it (Exchange stream or unary, retried after a restart), recovery.py holds
+what was registered and brings it back, session.py the session and the deadlines.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
 import socket
-import warnings
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 
 import grpc
-import numpy as np
 
-from kvbroker_client.errors import (
-    BrokerError,
-    DeadlineExceeded,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-    Unknown,
-    from_rpc_error,
-    from_status,
-)
-from kvbroker_client.exchange import Exchange, ExchangeUnsupported, StreamBroken
+from kvbroker_client import requests
+from kvbroker_client.calls import Calls
+from kvbroker_client.errors import DeadlineExceeded, NotFound, Unavailable, Unknown, from_status
+from kvbroker_client.exchange import Exchange
 from kvbroker_client.model import (
     BrokerInfo,
     Component,
@@ -84,17 +76,17 @@ from kvbroker_client.model import (
     TransferState,
     TransferStatus,
 )
+from kvbroker_client.recovery import REJOIN_WINDOW_S, Registrations
+from kvbroker_client.requests import ComponentLike, PageIds
+from kvbroker_client.session import Session, deadline, remaining
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 
-log = logging.getLogger(__name__)
+__all__ = ["BrokerClient", "CHANNEL_OPTIONS", "DEFAULT_TIMEOUT_S", "DEFAULT_TRANSFER_TIMEOUT_S", "REJOIN_WINDOW_S"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_TRANSFER_TIMEOUT_S = 120.0
-# How long the client waits for its broker to come back after the session broke, to register its
-# engines again at once (a peer's offer may arrive before this process calls again).
-REJOIN_WINDOW_S = 60.0
 # A sidecar on loopback or a Unix socket comes back within seconds: probe it often, not with
 # gRPC's default backoff of up to two minutes.
 CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
@@ -104,38 +96,6 @@ CHANNEL_OPTIONS: tuple[tuple[str, object], ...] = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
 )
-
-ComponentLike = Component | int | str
-_OWNERSHIP = {"server": bpb.MEMORY_OWNERSHIP_SERVER, "broker": bpb.MEMORY_OWNERSHIP_BROKER}
-PageIds = Sequence[int] | np.ndarray
-EXCHANGED = {"Transfer": "transfer", "ExpectTransfer": "expect"}  # the unary RPCs the Exchange stream carries
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"kvbroker_client: {old} is deprecated; use {new} (the old form goes in the next release)",
-                  DeprecationWarning, stacklevel=3)
-
-
-def _page_ids(ids: PageIds, field_name: str) -> list[int]:
-    array = np.asarray(ids)
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidArgument(f"{field_name}: expected a 1-D sequence of integer page ids")
-    if array.size and (array.min() < 0 or array.max() >= 1 << 32):
-        bad = int(np.flatnonzero((array < 0) | (array >= 1 << 32))[0])
-        raise InvalidArgument(f"{field_name}[{bad}]: page id {int(array[bad])} is outside [0, 2**32)")
-    return array.astype(np.int64).tolist()
-
-
-def _components(components: Iterable[ComponentLike]) -> list[int]:
-    return [int(Component.of(c)) for c in components]
-
-
-def _topology(topology: Topology | pb.Topology) -> pb.Topology:
-    return topology.to_proto() if isinstance(topology, Topology) else topology
-
-
-def _component_spec(spec: ComponentSpec | pb.ComponentSpec) -> pb.ComponentSpec:
-    return spec.to_proto() if isinstance(spec, ComponentSpec) else spec
 
 
 class BrokerClient:
@@ -156,18 +116,11 @@ class BrokerClient:
         self._channel = grpc.aio.insecure_channel(target, options=list(options.items()))
         self._stub = bpb_grpc.BrokerServiceStub(self._channel)
         self.exchange = Exchange(self._stub, target) if exchange else None
-        self._engines: dict[str, bpb.RegisterEngineRequest] = {}  # what to register again after a restart
-        self._lost: set[str] = set()  # broker-owned engines a restart took with it
-        self._epoch: int | None = None
-        self._recovery = asyncio.Lock()
-        self.restarts_seen = 0
-        self._use_session = session
         self.holder = holder or f"{socket.gethostname()} pid {os.getpid()}"
-        self._session_id = ""  # empty: no session open (none yet, or it ended)
-        self._session_call: grpc.aio.UnaryStreamCall | None = None
-        self._session_task: asyncio.Task | None = None  # reads the stream, to learn when it ends
-        self._session_lock = asyncio.Lock()
-        self._rejoin: asyncio.Task | None = None  # registers the engines again once a broken session's broker answers
+        self._session = Session(self._stub, target, self.holder, enabled=session,
+                                on_lost=lambda: self._registrations.session_lost())
+        self._registrations = Registrations(self._stub, target, self._session)
+        self._calls = Calls(self._stub, self.exchange, target, self._registrations)
 
     @classmethod
     async def connect(cls, target: str, **kwargs) -> BrokerClient:
@@ -185,11 +138,8 @@ class BrokerClient:
 
     async def close(self) -> None:
         """Close the channel. With a session, the broker then unregisters this client's engines."""
-        rejoin, self._rejoin = self._rejoin, None
-        if rejoin is not None:
-            rejoin.cancel()
-            await asyncio.gather(rejoin, return_exceptions=True)
-        await self._end_session()
+        await self._registrations.close()
+        await self._session.end()
         if self.exchange is not None:
             await self.exchange.close()
         await self._channel.close()
@@ -203,33 +153,39 @@ class BrokerClient:
     @property
     def epoch(self) -> int | None:
         """The broker epoch last seen; None before the first answer."""
-        return self._epoch
+        return self._registrations.epoch
+
+    @property
+    def restarts_seen(self) -> int:
+        """Broker restarts this client saw and registered its engines again after."""
+        return self._registrations.restarts_seen
 
     @property
     def registered_engines(self) -> tuple[str, ...]:
-        return tuple(self._engines)
+        return tuple(self._registrations.engines)
 
     @property
     def session_id(self) -> str:
         """The open session holding this client's engines; empty when none is open."""
-        return self._session_id
+        return self._session.id
 
     @property
     def lost_engines(self) -> tuple[str, ...]:
         """Broker-owned engines a broker restart released; register them again to get a new pool."""
-        return tuple(sorted(self._lost))
+        return tuple(sorted(self._registrations.lost))
 
-    # -- the API -------------------------------------------------------------------------------
+    async def _unary(self, method: str, request, at: float, **options):
+        return await self._calls.unary(method, request, at, **options)
+
     async def info(self, *, timeout: float | None = None, wait_for_ready: bool = False) -> BrokerInfo:
         """The broker's identity, engines, peers and counters. Re-registers engines after a restart."""
-        deadline = self._deadline(timeout, self.timeout)
-        reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), deadline,
-                                  wait_for_ready=wait_for_ready)
-        if self._epoch is None:
-            self._epoch = reply.epoch
-        elif reply.epoch != self._epoch:
-            await self._recover(deadline, seen=reply)
-            reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), deadline)
+        at = deadline(timeout, self.timeout)
+        reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), at, wait_for_ready=wait_for_ready)
+        if self._registrations.epoch is None:
+            self._registrations.epoch = reply.epoch
+        elif reply.epoch != self._registrations.epoch:
+            await self._registrations.recover(at, seen=reply)
+            reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), at)
         return BrokerInfo.from_proto(reply)
 
     async def register_engine(self, engine_id: str, topology: Topology | pb.Topology,
@@ -242,32 +198,28 @@ class BrokerClient:
         layer buffer names memory) and the returned EngineInfo says where each buffer is in it;
         such an engine is not registered again after a restart (see `lost_engines`).
         """
-        deadline = self._deadline(timeout, self.timeout)
-        if memory_ownership not in _OWNERSHIP:
-            raise InvalidArgument(f"memory_ownership: {memory_ownership!r} is not one of {sorted(_OWNERSHIP)}")
-        if self._epoch is None:  # a restart can only be told from the epoch the engine was registered under
-            await self.info(timeout=self._remaining(deadline))
-        request = bpb.RegisterEngineRequest(engine_id=engine_id, topology=_topology(topology),
-                                            components=[_component_spec(c) for c in components],
-                                            memory_ownership=_OWNERSHIP[memory_ownership],
-                                            allocation_device=allocation_device)
-        request.session_id = await self._session(deadline)
-        reply = await self._unary("RegisterEngine", request, deadline)
-        self._engines[engine_id] = request
-        self._lost.discard(engine_id)
+        at = deadline(timeout, self.timeout)
+        request = requests.register_request(engine_id, topology, components, memory_ownership, allocation_device)
+        if self._registrations.epoch is None:  # a restart is told from the epoch the engine was registered under
+            await self.info(timeout=remaining(at))
+        request.session_id = await self._session.open(at)
+        reply = await self._unary("RegisterEngine", request, at)
+        self._registrations.engines[engine_id] = request
+        self._registrations.lost.discard(engine_id)
         return EngineInfo.from_proto(reply.engine)
 
     async def unregister_engine(self, engine_id: str, *, timeout: float | None = None) -> int:
         """Release an engine; returns the number of its requests that were failed by it."""
-        if engine_id in self._lost:
-            self._lost.discard(engine_id)
+        registrations = self._registrations
+        if engine_id in registrations.lost:
+            registrations.lost.discard(engine_id)
             return 0  # the restart that lost its pool released it
-        ours = self._engines.pop(engine_id, None) is not None
-        deadline, epoch = self._deadline(timeout, self.timeout), self._epoch
+        ours = registrations.engines.pop(engine_id, None) is not None
+        at, epoch = deadline(timeout, self.timeout), registrations.epoch
         try:
-            reply = await self._unary("UnregisterEngine", bpb.UnregisterEngineRequest(engine_id=engine_id), deadline)
+            reply = await self._unary("UnregisterEngine", bpb.UnregisterEngineRequest(engine_id=engine_id), at)
         except NotFound:
-            if ours and await self._recover(deadline, since=epoch):
+            if ours and await registrations.recover(at, since=epoch):
                 return 0  # the broker restarted: the engine went with the old process
             raise
         return reply.failed_requests
@@ -293,36 +245,12 @@ class BrokerClient:
         Deprecated, kept for a release: `pages=` (now `dst_pages=`), and a page list as the third
         positional argument (now `dst_page_ids=`); each warns (DeprecationWarning).
         """
-        if pages is not None:
-            _deprecated("expect_transfer(pages=...)", "dst_pages=...")
-            if dst_pages is not None:
-                raise InvalidArgument("pages: give dst_pages (pages is its old name), not both")
-            dst_pages = pages
-        if dst_pages is not None and not isinstance(dst_pages, Mapping):
-            _deprecated("expect_transfer(engine_id, request_id, page_ids)", "dst_page_ids=page_ids")
-            if len(dst_page_ids):
-                raise InvalidArgument("dst_page_ids: given twice (positionally and by name)")
-            dst_pages, dst_page_ids = None, dst_pages
-        request = bpb.ExpectTransferRequest(
-            request_id=request_id, engine_id=engine_id, sender_address=sender_address,
-            sender_engine_id=sender_engine_id, expiry_ms=0 if expiry_s is None else max(1, round(expiry_s * 1000)),
-        )
-        if dst_pages is not None:
-            if len(dst_page_ids):
-                raise InvalidArgument("dst_page_ids: give either dst_page_ids or dst_pages, not both")
-            offsets = {Component.of(c): int(o) for c, o in (src_offsets or {}).items()}
-            if stray := sorted(c.name for c in set(offsets) - {Component.of(c) for c in dst_pages}):
-                raise InvalidArgument(f"src_offsets: {', '.join(stray)} not in dst_pages")
-            request.pages.extend(pb.ComponentPages(component=int(Component.of(c)),
-                                                   page_ids=_page_ids(ids, f"dst_pages[{Component.of(c).name}]"),
-                                                   src_offset=offsets.get(Component.of(c), 0))
-                                 for c, ids in dst_pages.items())
-        else:
-            if src_offsets:
-                raise InvalidArgument("src_offsets: for a grant with a page list per component (dst_pages)")
-            request.components.extend(_components(components))
-            request.dst_page_ids.extend(_page_ids(dst_page_ids, "dst_page_ids"))
-        reply = await self._unary("ExpectTransfer", request, self._deadline(timeout, self.timeout))
+        dst_pages, dst_page_ids = requests.grant_pages_of_old(dst_pages, dst_page_ids, pages)
+        request = requests.grant_request(engine_id, request_id, dst_pages, dst_page_ids=dst_page_ids,
+                                         components=components, src_offsets=src_offsets,
+                                         sender_address=sender_address, sender_engine_id=sender_engine_id,
+                                         expiry_s=expiry_s)
+        reply = await self._unary("ExpectTransfer", request, deadline(timeout, self.timeout))
         return TransferStatus.from_proto(reply.status)
 
     async def transfer_part(self, engine_id: str, request_id: str,
@@ -344,29 +272,10 @@ class BrokerClient:
         Deprecated, kept for a release: `pages=` (now `src_pages=`), and leaving out `last` (it
         meant last=True); each warns (DeprecationWarning).
         """
-        if pages is not None:
-            _deprecated("transfer_part(pages=...)", "src_pages=...")
-            if src_pages is not None:
-                raise InvalidArgument("pages: give src_pages (pages is its old name), not both")
-            src_pages = pages
-        if src_pages is None:
-            raise InvalidArgument("src_pages: the part's source page ids per component are required")
-        if last is None:
-            _deprecated("transfer_part() without last", "last=True or last=False")
-            last = True
-        offsets = {Component.of(c): int(o) for c, o in (dst_offsets or {}).items()}
-        chosen = {Component.of(c) for c in src_pages}
-        if stray := sorted(c.name for c in set(offsets) - chosen):
-            raise InvalidArgument(f"dst_offsets: {', '.join(stray)} not in src_pages")
-        request = bpb.TransferRequest(
-            request_id=request_id, engine_id=engine_id, more_parts=not last, aux=bytes(aux),
-            receiver_broker_id=receiver_broker_id,
-            pages=[bpb.PartPages(component=int(Component.of(c)),
-                                 src_page_ids=_page_ids(ids, f"src_pages[{Component.of(c).name}]"),
-                                 dst_offset=offsets.get(Component.of(c), 0))
-                   for c, ids in src_pages.items()],
-        )
-        reply = await self._unary("Transfer", request, self._deadline(timeout, self.transfer_timeout),
+        src_pages, last = requests.part_pages_of_old(src_pages, last, pages)
+        request = requests.part_request(engine_id, request_id, src_pages, last=last, dst_offsets=dst_offsets,
+                                        aux=aux, receiver_broker_id=receiver_broker_id)
+        reply = await self._unary("Transfer", request, deadline(timeout, self.transfer_timeout),
                                   retry_unavailable=False)
         return TransferStatus.from_proto(reply.status)
 
@@ -379,13 +288,9 @@ class BrokerClient:
         `peer_address` is the receiving broker's peer address (its `info().peer_address`); empty
         `dst_page_ids` means the grant's pages. Raises the typed error of the failure.
         """
-        request = bpb.TransferRequest(
-            request_id=request_id, engine_id=engine_id, peer_address=peer_address,
-            remote_engine_id=remote_engine_id, components=_components(components),
-            src_page_ids=_page_ids(src_page_ids, "src_page_ids"),
-            dst_page_ids=_page_ids(dst_page_ids, "dst_page_ids"),
-        )
-        reply = await self._unary("Transfer", request, self._deadline(timeout, self.transfer_timeout),
+        request = requests.claimed_request(engine_id, request_id, peer_address, remote_engine_id, src_page_ids,
+                                           dst_page_ids, components)
+        reply = await self._unary("Transfer", request, deadline(timeout, self.transfer_timeout),
                                   retry_unavailable=False)
         return TransferStatus.from_proto(reply.status)
 
@@ -404,49 +309,10 @@ class BrokerClient:
         Exchange stream, a watch left before its end (the caller stopped iterating, or the deadline
         passed) is cancelled on the broker, which also ends it at the deadline itself.
         """
-        deadline = self._deadline(timeout, self.transfer_timeout)
-        request = bpb.WatchTransferRequest(engine_id=engine_id, request_id=request_id, states_only=states_only,
-                                           terminal_only=terminal_only,
-                                           offer_wait_ms=max(0, round(offer_wait_s * 1000)))
-        if self._exchanged():
-            try:
-                async with contextlib.aclosing(self._watch_exchanged(request, deadline)) as statuses:
-                    async for status in statuses:
-                        yield status
-                return
-            except ExchangeUnsupported:
-                pass
-        call = self._stub.WatchTransfer(request, timeout=self._remaining(deadline))
-        try:
-            async for reply in call:
-                yield TransferStatus.from_proto(reply.status)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() is grpc.StatusCode.CANCELLED:
-                # Our own cancellation arrives as CancelledError; a CANCELLED status is the server
-                # cancelling the stream as it shuts down.
-                raise Unavailable(f"the broker cut the watch of request {request_id!r}: {exc.details()}") from None
-            raise from_rpc_error(exc) from None
-        finally:
-            call.cancel()
-
-    def _exchanged(self) -> bool:
-        return self.exchange is not None and self.exchange.supported is not False
-
-    async def _watch_exchanged(self, request: bpb.WatchTransferRequest,
-                               deadline: float) -> AsyncIterator[TransferStatus]:
-        """A watch on the Exchange stream; made again once on a new stream if this one breaks, so
-        that the caller sees how the broker ended the request the broken stream carried."""
-        assert self.exchange is not None
-        for attempt in range(2):
-            try:
-                async with contextlib.aclosing(self.exchange.watch(request, self._remaining(deadline))) as replies:
-                    async for reply in replies:  # left early, its close cancels the watch on the broker
-                        yield TransferStatus.from_proto(reply)
-                return
-            except StreamBroken as exc:
-                if attempt:
-                    raise Unavailable(str(exc)) from None
-                log.warning("%s; watching request %s again", exc, request.request_id)
+        request = requests.watch_request(engine_id, request_id, states_only=states_only,
+                                         terminal_only=terminal_only, offer_wait_s=offer_wait_s)
+        async for status in self._calls.watch(request, deadline(timeout, self.transfer_timeout)):
+            yield status
 
     async def wait(self, engine_id: str, request_id: str, *, timeout: float | None = None) -> TransferStatus:
         """Wait for the request to end: its status when SUCCEEDED, else the typed error of its failure."""
@@ -464,192 +330,6 @@ class BrokerClient:
         """Cancel a grant or an outgoing transfer; returns its state after (FAILED, or terminal already).
         With `offer_wait_s`, a sender's broker that does not hold the request yet waits that long (at
         most its offer_wait_s) for the receiver's offer, and cancels it once it lands."""
-        reply = await self._unary("CancelTransfer", bpb.CancelTransferRequest(
-            engine_id=engine_id, request_id=request_id, reason=reason,
-            offer_wait_ms=max(0, round(offer_wait_s * 1000))), self._deadline(timeout, self.timeout))
+        request = requests.cancel_request(engine_id, request_id, reason, offer_wait_s)
+        reply = await self._unary("CancelTransfer", request, deadline(timeout, self.timeout))
         return TransferStatus.from_proto(reply.status)
-
-    # -- deadlines, errors, restarts -----------------------------------------------------------
-    @staticmethod
-    def _deadline(timeout: float | None, default: float) -> float:
-        return asyncio.get_running_loop().time() + (default if timeout is None else timeout)
-
-    @staticmethod
-    def _remaining(deadline: float) -> float:
-        return max(0.0, deadline - asyncio.get_running_loop().time())
-
-    async def _unary(self, method: str, request, deadline: float, *, retry_unavailable: bool = True,
-                     wait_for_ready: bool = False):
-        """One unary call; after a broker restart (see the module's map) it is retried once."""
-        seen = self._epoch
-        try:
-            return await self._call(method, request, deadline, wait_for_ready)
-        except grpc.aio.AioRpcError as exc:
-            error = from_rpc_error(exc)
-            code = exc.code()
-        except Unavailable as exc:  # the Exchange stream broke under the command, or the broker refused it
-            error, code = exc, exc.code
-        except NotFound as exc:
-            error, code = exc, exc.code
-        may_be_restart = code is grpc.StatusCode.UNAVAILABLE or (
-            code is grpc.StatusCode.NOT_FOUND and bool(self._engines))
-        if not (may_be_restart and await self._recover(deadline, since=seen)):
-            raise self._explain_lost(error, request)
-        if code is grpc.StatusCode.UNAVAILABLE and not retry_unavailable:
-            raise error
-        try:
-            return await self._call(method, request, deadline)
-        except grpc.aio.AioRpcError as exc:
-            raise self._explain_lost(from_rpc_error(exc), request) from None
-        except NotFound as exc:
-            raise self._explain_lost(exc, request) from None
-
-    async def _call(self, method: str, request, deadline: float, wait_for_ready: bool = False):
-        """The call on the Exchange stream when it carries `method` and the broker offers it, else unary.
-        Either way the reply is the unary RPC's response message."""
-        if method in EXCHANGED and self._exchanged():
-            assert self.exchange is not None
-            kind = EXCHANGED[method]
-            try:
-                reply = await self.exchange.command(kind, request, self._remaining(deadline))
-                return getattr(reply, kind)
-            except StreamBroken as exc:
-                raise Unavailable(str(exc)) from None
-            except ExchangeUnsupported:
-                log.info("broker %s has no Exchange stream; using its unary RPCs", self.target)
-        return await getattr(self._stub, method)(request, timeout=self._remaining(deadline),
-                                                 wait_for_ready=wait_for_ready)
-
-    def _explain_lost(self, error: BrokerError, request) -> BrokerError:
-        engine_id = getattr(request, "engine_id", "")
-        if isinstance(error, NotFound) and engine_id in self._lost:
-            return NotFound(f"{error.reason}; engine {engine_id!r} had broker-owned memory, which went with the "
-                            "broker's restart: register it again and use the new pool")
-        return error
-
-    async def _recover(self, deadline: float, *, since: int | None = None,
-                       seen: bpb.GetBrokerInfoResponse | None = None) -> bool:
-        """True when the broker lost our engines (a new epoch: a new process; or our session ended)
-        and they are registered again."""
-        if self._epoch is None:
-            return False
-        session_before = self._session_id
-        async with self._recovery:
-            if since is not None and self._epoch != since:
-                return True  # another call recovered while this one waited for the lock
-            if self._session_id and self._session_id != session_before:
-                return True  # another recovery opened a new session meanwhile: `seen` predates it
-            if seen is None:
-                try:
-                    seen = await self._stub.GetBrokerInfo(bpb.GetBrokerInfoRequest(),
-                                                          timeout=self._remaining(deadline), wait_for_ready=True)
-                except grpc.aio.AioRpcError:
-                    return False  # still gone within the deadline: the caller sees the original error
-            if seen.epoch == self._epoch:
-                open_sessions = {s.session_id for s in seen.sessions}
-                if not (self._use_session and self._engines and self._session_id not in open_sessions):
-                    return False
-                log.warning("broker %s ended this client's session; registering %d engine(s) again",
-                            self.target, len(self._engines))
-            else:
-                log.warning("broker %s restarted (epoch %d -> %d); registering %d engine(s) again",
-                            self.target, self._epoch, seen.epoch, len(self._engines))
-            await self._end_session()  # whatever the client still holds of the old session
-            await self._register_again(deadline, {e.engine_id for e in seen.engines})
-            if seen.epoch != self._epoch:
-                self.restarts_seen += 1  # counted once: a failed registration is retried under the same epoch
-            self._epoch = seen.epoch  # only now: a call that sees the new epoch first waits for the lock
-            return True
-
-    async def _register_again(self, deadline: float, present: set[str]) -> None:
-        failures: list[BrokerError] = []
-        for engine_id, request in list(self._engines.items()):
-            if engine_id in present:
-                continue
-            if request.memory_ownership == bpb.MEMORY_OWNERSHIP_BROKER:
-                del self._engines[engine_id]
-                self._lost.add(engine_id)
-                log.error("engine %s had broker-owned memory, which went with the broker's restart; the server "
-                          "must register it again and use the new pool", engine_id)
-                continue
-            try:
-                request.session_id = await self._session(deadline)
-                await self._stub.RegisterEngine(request, timeout=self._remaining(deadline))
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() is not grpc.StatusCode.ALREADY_EXISTS:
-                    failures.append(from_rpc_error(exc))
-                    log.error("could not register engine %s again: %s", engine_id, failures[-1])
-            except BrokerError as exc:
-                failures.append(exc)
-                log.error("could not register engine %s again: %s", engine_id, exc)
-        if failures:
-            raise failures[0]
-
-    # -- the session ------------------------------------------------------------------------------
-    async def _session(self, deadline: float) -> str:
-        """The id of an open session, opened now if none is; empty when sessions are off."""
-        if not self._use_session:
-            return ""
-        async with self._session_lock:
-            if self._session_id:
-                return self._session_id
-            call = self._stub.OpenSession(bpb.OpenSessionRequest(holder=self.holder))
-            try:
-                first = await asyncio.wait_for(call.read(), self._remaining(deadline))
-            except TimeoutError:
-                call.cancel()
-                raise DeadlineExceeded(f"no session opened on {self.target} before the deadline") from None
-            except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc) from None
-            except BaseException:
-                call.cancel()
-                raise
-            if first is grpc.aio.EOF:
-                raise Unavailable(f"the broker at {self.target} ended the session as it opened it (shutting down)")
-            self._session_call, self._session_id = call, first.session_id
-            self._session_task = asyncio.create_task(self._hold(call, first.session_id),
-                                                     name=f"kvbroker session {first.session_id}")
-            return self._session_id
-
-    async def _hold(self, call: grpc.aio.UnaryStreamCall, session_id: str) -> None:
-        """Read the session's stream until it ends; then the session is gone, and so are its engines."""
-        try:
-            while await call.read() is not grpc.aio.EOF:
-                pass
-            reason = "the broker ended it"
-        except grpc.aio.AioRpcError as exc:
-            reason = f"{exc.code().name}: {exc.details()}"
-        if self._session_id == session_id:
-            self._session_id, self._session_call = "", None
-            log.warning("session %s with %s ended (%s); the broker released its engines", session_id,
-                        self.target, reason)
-            if self._engines and (self._rejoin is None or self._rejoin.done()):
-                self._rejoin = asyncio.get_running_loop().create_task(self._rejoin_now(),
-                                                                      name=f"kvbroker rejoin {self.target}")
-
-    async def _rejoin_now(self) -> None:
-        """The session broke under us (the broker restarted, or the stream dropped): register the engines
-        again as soon as the broker answers, within REJOIN_WINDOW_S, rather than at this process's next
-        call: a peer broker's offer for one of them may come first, and would find no engine. Calls
-        that miss an engine still recover it themselves (`_recover`); the lock makes it happen once."""
-        loop = asyncio.get_running_loop()
-        deadline, delay = loop.time() + REJOIN_WINDOW_S, 0.05
-        while loop.time() < deadline:
-            try:
-                if await self._recover(deadline) or self._session_id:
-                    return  # registered again, by us or by a call
-            except BrokerError as exc:  # e.g. the old broker, still draining, refused the session
-                log.info("registering engines again on %s: %s; retrying", self.target, exc)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-        log.warning("broker %s did not take this client's engines back within %.0fs; the next call will",
-                    self.target, REJOIN_WINDOW_S)
-
-    async def _end_session(self) -> None:
-        call, task = self._session_call, self._session_task
-        self._session_id, self._session_call, self._session_task = "", None, None
-        if call is not None:
-            call.cancel()
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
