@@ -229,3 +229,28 @@ vllm:prompt_tokens_by_source_created{source="local_compute"} 1.7e9
     assert vllm_stack.metric_sum(text, "vllm:num_requests_running") == 3.0
     assert vllm_stack.metric_sum(text, "vllm:num_requests_waiting") == 0.0
     assert vllm_stack.prompt_sources(text) == {"external_kv_transfer": 96.0, "local_compute": 4.0}
+
+
+async def test_a_servers_ipc_sockets_live_in_a_directory_of_its_own_removed_once_it_ended(venv, tmp_path, monkeypatch):
+    """vLLM names its ZMQ sockets in VLLM_RPC_BASE_PATH (the temporary directory by default) and leaves
+    them there: every server started here gets a directory of its own, gone once the server ended."""
+    child = tmp_path / "server.py"  # binds a socket where vLLM would, then answers /health as vLLM's server does
+    child.write_text("""import os, socket, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+sock = socket.socket(socket.AF_UNIX)
+sock.bind(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "engine-core"))
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+""")
+    monkeypatch.setattr(vllm_stack, "server_command", lambda _model, port, *_: [sys.executable, str(child), str(port)])
+    servers = [await vllm_stack.start_server(name, Path("model"), tmp_path, timeout=60) for name in ("a", "b")]
+    scratches = [server.scratch for server in servers]
+    assert None not in scratches and scratches[0] != scratches[1]
+    assert [server.env["VLLM_RPC_BASE_PATH"] for server in servers] == [str(s) for s in scratches]
+    assert all((scratch / "engine-core").is_socket() for scratch in scratches)
+    await servers[0].kill()
+    await servers[1].stop(timeout=5)
+    assert not any(scratch.exists() for scratch in scratches)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -123,6 +124,7 @@ class ServerProcess:
     command: list[str]
     env: dict[str, str]
     bootstrap_port: int | None = None
+    scratch: Path | None = None  # a directory of the server's own (its IPC sockets), removed once it ended
     _asked: bool = field(default=False, repr=False)
 
     @property
@@ -167,6 +169,7 @@ class ServerProcess:
         self._signal_group(signal.SIGKILL)  # its scheduler and detokenizer too, whatever the leader did
         code = await self.process.wait()
         await asyncio.to_thread(unlink_all, held)
+        self._remove_scratch()
         if died_before:
             raise ChildDied(self.exit_report("before it was stopped"))
         return code
@@ -179,7 +182,12 @@ class ServerProcess:
         self._signal_group(signal.SIGKILL)
         code = await self.process.wait()
         await asyncio.to_thread(unlink_all, held)
+        self._remove_scratch()
         return code
+
+    def _remove_scratch(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     async def wait_ready(self, path: str, timeout: float) -> None:
         """Until GET `path` answers 200; ChildDied if it exits first, TimeoutError (it is then killed)."""
@@ -212,7 +220,7 @@ def _open_log(log_dir: Path, name: str, command: list[str]):
 
 
 async def spawn(name: str, command: list[str], env: dict[str, str], log_dir: Path, url: str,
-                bootstrap_port: int | None = None) -> ServerProcess:
+                bootstrap_port: int | None = None, scratch: Path | None = None) -> ServerProcess:
     """A server (or router) as a child in its own session, logging to `log_dir`/`name`.log; not waited for."""
     log = _open_log(log_dir, name, command)
     try:
@@ -222,7 +230,7 @@ async def spawn(name: str, command: list[str], env: dict[str, str], log_dir: Pat
                                                        start_new_session=True)
     finally:
         log.close()
-    return ServerProcess(name, process, url, Path(log.name), command, env, bootstrap_port)
+    return ServerProcess(name, process, url, Path(log.name), command, env, bootstrap_port, scratch)
 
 
 async def start_server(name: str, model: Path, log_dir: Path, *, mode: str | None = None,

@@ -24,7 +24,9 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,7 +89,16 @@ async def start_server(name: str, model: Path, log_dir: Path, *, kv_transfer_con
     its engine is up, so `/health` answering 200 means ready."""
     port = port or free_port()
     command = server_command(model, port, kv_transfer_config, args)
-    server = await stack.spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}")
+    # vLLM's processes talk over ZMQ sockets it names in the temporary directory and leaves there:
+    # a directory of the server's own, removed once it ended (short: a socket's path has 107 bytes).
+    scratch = Path(tempfile.mkdtemp(prefix=f"kvbv-{name[:8]}-"))
+    env = {**(env or {}), "VLLM_RPC_BASE_PATH": str(scratch)}
+    try:
+        server = await stack.spawn(name, command, server_env(env), log_dir, f"http://127.0.0.1:{port}",
+                                   scratch=scratch)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
     if wait:
         try:
             await server.wait_ready("/health", timeout)
