@@ -227,3 +227,10 @@ def selects(selector: dict, labels: dict[str, str]) -> bool:
         if not held:
             return False
     return True
+
+
+def without_rdma(env: dict[str, str]) -> dict[str, str]:
+    """A pod's broker environment as this machine can run it: it has no RDMA, so the data plane is
+    components/nixl-tcp's (UCX_TLS unset, unprotected transports allowed; UCX takes tcp on loopback).
+    The shipped data plane, NIXL on RDMA only, is tests/deploy/test_protection.py's."""
+    return {**{k: v for k, v in env.items() if k != "UCX_TLS"}, "KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS": "true"}

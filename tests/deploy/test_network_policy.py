@@ -17,6 +17,7 @@ from tests.deploy.conftest import (
     peer_port,
     pod_labels,
     selects,
+    without_rdma,
 )
 from tests.helpers import listeners
 
@@ -93,6 +94,7 @@ async def test_a_broker_with_the_manifests_settings_listens_only_where_the_polic
     env = {key: value for key, value in broker_settings(docs).items() if not key.startswith("KVBROKER_PEER_TLS")}
     env.update(literal_env(broker(docs)), KVBROKER_BACKEND=backend, KVBROKER_METRICS_LISTEN="127.0.0.1:0",
                KVBROKER_LISTEN=f"unix:{tmp_path}/kvbroker.sock", KVBROKER_HEALTH_LISTEN=f"unix:{tmp_path}/health.sock")
+    env = without_rdma(env)
     process = await start_broker("ports", "--listen", env["KVBROKER_LISTEN"], env=env)
     try:
         tcp, udp = listeners(process.pid, ("tcp", "tcp6")), listeners(process.pid, ("udp", "udp6"))

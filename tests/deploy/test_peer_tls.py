@@ -17,7 +17,7 @@ import pytest
 import trustme
 
 from kvbroker.ops.probe import check
-from tests.deploy.conftest import OTHER_ROLE, broker, literal_env, one, pod_spec, server, settings, volume
+from tests.deploy.conftest import OTHER_ROLE, broker, literal_env, one, pod_spec, server, settings, volume, without_rdma
 
 TLS_FILES = {"KVBROKER_PEER_TLS_CERT": "certificate-file", "KVBROKER_PEER_TLS_KEY": "privatekey-file",
              "KVBROKER_PEER_TLS_CA": "ca-file"}
@@ -139,7 +139,7 @@ def pod_env(docs: list[dict], folder: Path, socket: str) -> dict[str, str]:
            for key, value in settings(docs).items()}
     env.update(literal_env(broker(docs)), KVBROKER_LISTEN=socket, KVBROKER_METRICS_LISTEN="127.0.0.1:0",
                KVBROKER_HEALTH_LISTEN=socket.replace(".sock", "-health.sock"))
-    return env
+    return without_rdma(env)
 
 
 @pytest.mark.integration
