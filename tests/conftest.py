@@ -1,4 +1,6 @@
-"""Shared fixtures: real brokers in subprocesses on loopback, one pair per backend, and engines on them.
+"""Shared fixtures: real brokers in subprocesses on loopback, one pair per backend, and engines on them;
+the session's non-PD SGLang server (`reference`, for tests/servers and the fleet in tests/vllm) with
+the model and HTTP session the server tests share.
 
 Run the suite through scripts/test.sh: it puts pytest (and so every broker) in a private network
 namespace with only loopback, because UCX and Mooncake listen on all interfaces.
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
@@ -24,9 +27,8 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
 from kvbroker_tools.launch import BrokerProcess, exit_report, start_broker, stop_all
-
-# The session's non-PD SGLang server, shared by tests/servers and the fleet (tests/vllm).
-pytest_plugins = ("tests.sglang_reference",)
+from kvbroker_tools.serving import models, stack
+from tests.support.reference import Reference
 
 BACKENDS = ["nixl", "mooncake"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +171,31 @@ _ids = iter(range(1, 1 << 30))
 @pytest.fixture
 def request_id() -> str:
     return f"req-{os.getpid()}-{next(_ids)}"
+
+
+@pytest.fixture(scope="session")
+def log_root(tmp_path_factory) -> Path:
+    """The servers' logs, under pytest's base temp: the last three runs' are kept."""
+    return tmp_path_factory.mktemp("servers")
+
+
+@pytest.fixture(scope="session")
+def model() -> Path:
+    return models.llama()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def reference(model, log_root, http) -> AsyncIterator[Reference]:
+    """The non-PD server, started once per run (not waited for: the first answer waits) and idle between."""
+    server = await stack.start_server("reference", model, log_root / "reference", wait=False)
+    async with Reference(server, http) as made:
+        yield made
 
 
 ALL = [pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K]

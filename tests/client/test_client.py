@@ -29,7 +29,7 @@ from kvbroker_client import (
     Unimplemented,
 )
 from tests.client.conftest import assert_pool_equals, connect, expected_destination, fragmented, unique
-from tests.client.engines import pool_engine
+from tests.support.pool_engines import pool_engine
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 

@@ -18,7 +18,7 @@ from tests.deploy.conftest import (
     pod_labels,
     selects,
 )
-from tests.helpers import listeners
+from tests.support.helpers import listeners
 
 # Whether brokers of a role are written to, so that the other role's engines connect to theirs. A
 # sender's engine only dials out (README.md, Security, Ports: SYNs seen across two namespaces).

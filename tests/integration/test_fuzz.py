@@ -57,7 +57,7 @@ from tests.conftest import (
     expected_after,
     open_broker,
 )
-from tests.integration.peer_side import real_handshake
+from tests.support.peer_side import real_handshake
 
 pytestmark = pytest.mark.integration
 

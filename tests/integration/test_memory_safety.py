@@ -42,9 +42,9 @@ from tests.conftest import (
     expected_after,
     run_engines_in_child,
 )
-from tests.helpers import descriptor_rows
-from tests.helpers import rpc_refusal as refused
-from tests.integration.flows import grant, transfer
+from tests.support.flows import grant, transfer
+from tests.support.helpers import descriptor_rows
+from tests.support.helpers import rpc_refusal as refused
 
 pytestmark = pytest.mark.integration
 

@@ -41,8 +41,8 @@ from tests.conftest import (
     run_engines_in_child,
     until,
 )
-from tests.helpers import descriptor_rows
-from tests.integration.flows import free_port, grant, log_entries, transfer
+from tests.support.flows import free_port, grant, log_entries, transfer
+from tests.support.helpers import descriptor_rows
 
 pytestmark = pytest.mark.integration
 

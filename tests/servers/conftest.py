@@ -1,6 +1,6 @@
 """Fixtures of the real-server tests: SGLang 0.5.23 servers started as users start them
 (tooling/src/kvbroker_tools/serving), one PD deployment per transfer engine of the brokers, shared by a module's
-tests, beside the session's non-PD reference server (tests/sglang_reference.py).
+tests, beside the session's non-PD reference server (tests/conftest.py's `reference`).
 
 Every test leaves both servers serving and both brokers holding nothing: `settled` checks that
 after each case, so cases stay independent though the servers are shared.
@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 from kvbroker_tools.serving import client, stack
-from tests.helpers import until
-from tests.sglang_reference import ANSWER_TOKENS, Reference
+from tests.support.helpers import until
+from tests.support.reference import ANSWER_TOKENS, Reference
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 

@@ -28,7 +28,7 @@ from tests.servers.conftest import (
     restart_broker_then_ask,
     settled,
 )
-from tests.sglang_reference import Reference
+from tests.support.reference import Reference
 
 # The servers run the model's experts eagerly (minimax.SERVER_ENV, TORCH_COMPILE_DISABLE): compiled, a
 # server's first request waited minutes for inductor's C++ builds, and three of them starting together

@@ -13,12 +13,12 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-from tests.sglang.cpu_torchvision import declare_torchvision_ops
+from tests.support.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
 from kvbroker_tools.launch import BrokerProcess, start_broker, start_brokers  # noqa: E402
-from tests.sglang import ranks  # noqa: E402
+from tests.support import sglang_ranks as ranks  # noqa: E402
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # Loopback has only UCX's tcp and shared memory, which a forged region writes through: allowed here

@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from kvbroker_tools.launch import BrokerProcess, start_broker
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.helpers import until
+from tests.support.helpers import until
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 ANSWER_TOKENS = 8
@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def vllm_log_root(log_root) -> Path:
     """The vLLM servers' logs, beside the SGLang servers' (the model and HTTP session are theirs too:
-    tests/sglang_reference.py)."""
+    tests/conftest.py)."""
     return log_root / "vllm"
 
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.helpers import until
+from tests.support.helpers import until
 from tests.vllm.conftest import ANSWER_TOKENS, BLOCK, CONNECTOR, restart_broker, settled
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # servers start in minutes here

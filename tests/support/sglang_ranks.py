@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tests.sglang.cpu_torchvision import declare_torchvision_ops
+from tests.support.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 

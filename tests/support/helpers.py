@@ -7,8 +7,8 @@
 - `until`: poll an async condition, bounded, for states no event announces (what a broker or server holds);
 - `descriptor_rows`: descriptor rows (address, length, device) for a Backend's write, without the planner.
 
-Test modules import from here (and from tests/integration/flows.py and the other non-test modules
-beside them), never from each other: tests/test_layers.py pins it.
+Test modules import from here and the other modules of tests/support, never from each other:
+tests/test_layers.py pins it.
 """
 
 from __future__ import annotations
