@@ -60,7 +60,6 @@ async def main(requests: int, backend: str) -> dict:
     from kvbroker_client.adapter import Phase
     from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
     from kvbroker_tools.launch import start_broker, start_brokers
-    from tests.sglang.conftest import Ranks, broker_flags
     from tests.support import sglang_ranks as ranks
     from tests.support.sglang_pair import (
         PAGES,
@@ -71,6 +70,7 @@ async def main(requests: int, backend: str) -> dict:
         new_request,
         send_decode_metadata,
     )
+    from tests.support.sglang_ranks import Ranks, broker_flags
 
     load_plugins()
     flags = broker_flags(backend)

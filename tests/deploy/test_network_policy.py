@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbroker.config import Settings
-from tests.deploy.conftest import (
+from tests.support.deploy import (
     OTHER_ROLE,
     broker,
     broker_settings,

@@ -14,7 +14,7 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools.launch import ChildDied
-from tests.conftest import ALL, assert_bytes, close_broker, open_broker
+from tests.support.brokers import ALL, assert_bytes, close_broker, open_broker
 from tests.support.helpers import kvbroker, peer_service
 from tests.support.peer_side import Answers, real_handshake
 

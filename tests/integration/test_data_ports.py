@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.conftest import close_broker, open_broker
+from tests.support.brokers import close_broker, open_broker
 from tests.support.helpers import listeners
 
 pytestmark = pytest.mark.integration

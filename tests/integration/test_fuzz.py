@@ -45,7 +45,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from kvbroker_tools import shapes
-from tests.conftest import (
+from tests.support.brokers import (
     ALL,
     SMALL,
     Broker,

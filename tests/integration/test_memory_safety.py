@@ -32,7 +32,7 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
 from kvbroker_tools.launch import start_broker
-from tests.conftest import (
+from tests.support.brokers import (
     ALL,
     SMALL,
     Broker,

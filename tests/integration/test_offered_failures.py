@@ -13,7 +13,7 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import assert_bytes, close_broker, open_broker
+from tests.support.brokers import assert_bytes, close_broker, open_broker
 from tests.support.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_all, watch_first
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ import pytest
 import trustme
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
-from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.support.brokers import ALL, assert_bytes, close_broker, expected_after, open_broker
 from tests.support.flows import grant, transfer
 from tests.support.peer_side import Identity
 

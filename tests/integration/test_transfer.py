@@ -10,7 +10,7 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import ALL, SMALL, assert_bytes, expected_after
+from tests.support.brokers import ALL, SMALL, assert_bytes, expected_after
 from tests.support.flows import grant, transfer, watch_all, watch_first
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from kvbroker_sglang import conn, plugin
-from tests.conftest import REPO_ROOT
+from tests.support.brokers import REPO_ROOT
 
 
 def test_entry_point_is_registered_in_sglangs_plugin_group():

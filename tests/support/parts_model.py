@@ -21,7 +21,7 @@ import numpy as np
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import SMALL, Engine
+from tests.support.brokers import SMALL, Engine
 from tests.support.flows import DENSE, INDEX, MAIN
 
 # The tests' small shape with 16 KiB main and dense pages (1 KiB index pages): a part of a dozen pages
