@@ -17,7 +17,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from tests.sglang.cpu_torchvision import declare_torchvision_ops
+from tests.support.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
@@ -60,9 +60,8 @@ async def main(requests: int, backend: str) -> dict:
     from kvbroker_client.adapter import Phase
     from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
     from kvbroker_tools.launch import start_broker, start_brokers
-    from tests.sglang import ranks
-    from tests.sglang.conftest import Ranks, broker_flags
-    from tests.sglang.pair import (
+    from tests.support import sglang_ranks as ranks
+    from tests.support.sglang_pair import (
         PAGES,
         PREFILL_AUX,
         PREFIX_PAGES,
@@ -71,6 +70,7 @@ async def main(requests: int, backend: str) -> dict:
         new_request,
         send_decode_metadata,
     )
+    from tests.support.sglang_ranks import Ranks, broker_flags
 
     load_plugins()
     flags = broker_flags(backend)

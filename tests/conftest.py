@@ -1,4 +1,7 @@
-"""Shared fixtures: real brokers in subprocesses on loopback, one pair per backend, and engines on them.
+"""Fixtures the whole suite shares: real brokers in subprocesses on loopback, one pair per backend, and
+engines on them; the session's non-PD SGLang server (`reference`, for tests/servers and the fleet in
+tests/vllm) with the model and HTTP session the server tests share. What they are made of, and every
+other helper the tests share, lives in tests/support (its __init__ maps it).
 
 Run the suite through scripts/test.sh: it puts pytest (and so every broker) in a private network
 namespace with only loopback, because UCX and Mooncake listen on all interfaces.
@@ -6,92 +9,31 @@ namespace with only loopback, because UCX and Mooncake listen on all interfaces.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-import numpy as np
 import pytest
-import pytest_asyncio
 
-from kvbroker_client.shm import SharedSegment
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
-from kvbroker_client.v1 import common_pb2 as pb
-from kvbroker_tools import shapes
-from kvbroker_tools.launch import BrokerProcess, exit_report, start_broker, stop_all
-
-# The session's non-PD SGLang server, shared by tests/servers and the fleet (tests/vllm).
-pytest_plugins = ("tests.sglang_reference",)
-
-BACKENDS = ["nixl", "mooncake"]
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# Before tests.support is imported: its asserts report what they compared, as a conftest's do.
+pytest.register_assert_rewrite("tests.support")
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # Loopback has only UCX's tcp and shared memory, which a forged region writes through: allowed here
 # (tests/integration/test_data_plane.py starts brokers without it).
 os.environ.setdefault("KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS", "true")
 
-SMALL = shapes.SMALL  # 3 dense + 4 sparse layers, 64 pages per buffer
+import aiohttp  # noqa: E402
+import pytest_asyncio  # noqa: E402
 
-
-@dataclass
-class Broker:
-    process: BrokerProcess
-    channel: grpc.aio.Channel
-    stub: bpb_grpc.BrokerServiceStub
-
-    @property
-    def peer_address(self) -> str:
-        return self.process.peer_listen
-
-
-@dataclass
-class BrokerPair:
-    backend: str
-    prefill: Broker
-    decode: Broker
+from kvbroker_tools.serving import models, stack  # noqa: E402
+from tests.support.brokers import BACKENDS, BrokerPair, Engines, close_brokers, open_broker  # noqa: E402
+from tests.support.reference import Reference  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
 def backend(request) -> str:
     return request.param
-
-
-async def open_broker(name: str, backend: str, *args: str, **options) -> Broker:
-    """A broker on loopback; `options` go to start_broker (env, prefix, ...)."""
-    process = await start_broker(name, "--backend", backend, "--log-level", "WARNING", *args, **options)
-    channel = grpc.aio.insecure_channel(process.listen)
-    return Broker(process, channel, bpb_grpc.BrokerServiceStub(channel))
-
-
-async def until(condition, timeout: float = 10.0) -> bool:
-    """Poll `condition` until it holds or `timeout` passes; returns its last value. For states no
-    event announces (a process's memory, an engine's peers, a sweeper's work)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if (held := condition()) or loop.time() > deadline:
-            return held
-        await asyncio.sleep(0.01)
-
-
-async def close_broker(broker: Broker) -> int:
-    """Its exit code; ChildDied (with how it ended and its stderr tail) if it died unasked."""
-    await broker.channel.close()
-    return await broker.process.stop()
-
-
-async def close_brokers(*brokers: Broker) -> list[int]:
-    """Close every one, then raise for those that died: one broker's death never leaks the others."""
-    for broker in brokers:
-        await broker.channel.close()
-    await stop_all(b.process for b in brokers)
-    return [b.process.process.returncode for b in brokers]
 
 
 @pytest_asyncio.fixture(scope="session")
@@ -100,60 +42,6 @@ async def brokers(backend: str) -> AsyncIterator[BrokerPair]:
     decode = await open_broker(f"decode-{backend}", backend)
     yield BrokerPair(backend, prefill, decode)
     await close_brokers(prefill, decode)
-
-
-@dataclass
-class Engine:
-    """An engine registered on a broker, over its own shared-memory pool."""
-
-    broker: Broker
-    engine_id: str
-    shape: shapes.ModelShape
-    segment: SharedSegment
-    placements: list[shapes.BufferPlacement]
-    components: list[int] = field(default_factory=list)
-
-    @property
-    def stub(self) -> bpb_grpc.BrokerServiceStub:
-        return self.broker.stub
-
-
-_engine_numbers = iter(range(1, 1 << 30))
-
-
-class Engines:
-    """Registers engines for one test and releases them (and their segments) after it."""
-
-    def __init__(self) -> None:
-        self._made: list[Engine] = []
-
-    async def make(self, broker: Broker, role: str, shape: shapes.ModelShape = SMALL,
-                   components=("MAIN_KV", "MINIMAX_INDEX_K"), main_layout: str = "KV_SPLIT",
-                   fill: str = "random", seed: int = 0, session_id: str = "", **topology) -> Engine:
-        number = next(_engine_numbers)
-        placements = shapes.place_buffers(shape, components, main_layout)
-        segment = SharedSegment.create(shapes.pool_size(shape, placements), f"kvbt-{role}")
-        if fill == "random":
-            shapes.fill_random(segment.array, np.random.default_rng(seed + number))
-        else:
-            segment.array[:] = shapes.CANARY
-        engine_id = f"{role}-{os.getpid()}-{number}/tp0"
-        request = shapes.register_request(engine_id, shape, segment, placements, main_layout,
-                                        shapes.topology(shape, **topology))
-        request.session_id = session_id
-        engine = Engine(broker, engine_id, shape, segment, placements,
-                        [c.component for c in request.components])
-        self._made.append(engine)
-        await broker.stub.RegisterEngine(request, timeout=30)
-        return engine
-
-    async def close(self) -> None:
-        for engine in self._made:
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # its broker may be gone
-                await engine.stub.UnregisterEngine(bpb.UnregisterEngineRequest(engine_id=engine.engine_id),
-                                                   timeout=30)
-            engine.segment.close()
-            engine.segment.unlink()
 
 
 @pytest_asyncio.fixture
@@ -171,41 +59,26 @@ def request_id() -> str:
     return f"req-{os.getpid()}-{next(_ids)}"
 
 
-ALL = [pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K]
+@pytest.fixture(scope="session")
+def log_root(tmp_path_factory) -> Path:
+    """The servers' logs, under pytest's base temp: the last three runs' are kept."""
+    return tmp_path_factory.mktemp("servers")
 
 
-def expected_after(src: Engine, dst: Engine, before: np.ndarray, components, src_ids, dst_ids) -> np.ndarray:
-    return shapes.expected_destination(src.segment.array, before, dst.shape, dst.placements, set(components),
-                                     np.asarray(src_ids), np.asarray(dst_ids))
+@pytest.fixture(scope="session")
+def model() -> Path:
+    return models.llama()
 
 
-def assert_bytes(dst: Engine, expected: np.ndarray) -> None:
-    """Every byte of the destination pool: moved pages equal the source, all else still canary."""
-    diff = np.flatnonzero(dst.segment.array != expected)
-    assert diff.size == 0, f"{diff.size} bytes differ, first at offset {diff[0] if diff.size else None}"
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
 
 
-async def run_engines_in_child(module: str, function: str, backend: str, timeout: float) -> dict:
-    """`await module.function(backend)` in a child process, and the dict it returned.
-
-    NIXL's UCX teardown crashes at interpreter exit, so engines created directly by a test live in a
-    child that leaves with os._exit, as `kvbroker serve` does, and reports what it saw as one JSON line.
-    """
-    import asyncio
-    import json
-    import sys
-
-    code = (f"import asyncio, json, os, sys; from {module} import {function}; "
-            f"print(json.dumps(asyncio.run({function}(sys.argv[1]))), flush=True); os._exit(0)")
-    child = await asyncio.create_subprocess_exec(sys.executable, "-X", "faulthandler", "-c", code, backend,
-                                                 cwd=REPO_ROOT,
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), timeout)
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, exit_report(f"{module}.{function}({backend!r}) in a child", child.returncode,
-                                              err.decode(errors="replace").splitlines())
-    return json.loads(out.decode().strip().splitlines()[-1])
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def reference(model, log_root, http) -> AsyncIterator[Reference]:
+    """The non-PD server, started once per run (not waited for: the first answer waits) and idle between."""
+    server = await stack.start_server("reference", model, log_root / "reference", wait=False)
+    async with Reference(server, http) as made:
+        yield made

@@ -13,8 +13,9 @@
 - the adapter core (kvbroker_client.adapter) imports no engine, and torch only in hostmem; an engine
   adapter (kvbroker_sglang, kvbroker_vllm) imports neither grpc nor BrokerClient (the core holds the
   broker), and only its factory module reads the engine's role;
-- in tests/, no module imports a test module (test_*.py): what tests share lives in helper modules
-  (tests/helpers.py, tests/integration/flows.py and the others beside them).
+- in tests/ (and benchmarks/), the only tests modules imported are tests.support's: never a test
+  module (test_*.py) nor a conftest. What tests share lives in tests/support (its __init__ maps it);
+  the conftests hold the fixtures, made of it, and tests/support holds none.
 Each rule fails naming the module and the import that breaks it.
 """
 
@@ -28,6 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "kvbroker"
 CLIENT_SOURCES = sorted((ROOT / "clients").glob("*/src"))
 TOOLING_SOURCE = ROOT / "tooling" / "src"
+TESTS = ROOT / "tests"
+SUPPORT = "tests.support"  # the one package through which tests share code
 ADAPTERS = ("kvbroker_sglang", "kvbroker_vllm")
 ENGINES = ("sglang", "vllm")
 # module -> the one module of an adapter that may look at the engine's role (its factory)
@@ -227,13 +230,31 @@ def test_the_rules_see_imports():
     tooling = tooling_modules()
     assert "kvbroker_tools.launch.start_broker" in imports(tooling["kvbroker_tools.demo"])
     assert "kvbroker_tools.serving.stack" in tooling and "kvbroker.cli" in modules()
+    assert "tests.support.brokers.open_broker" in imports(TESTS / "integration" / "test_daemon.py")
+    # an import inside a test function, and a benchmark's inside its main()
+    assert "tests.support.brokers.assert_bytes" in imports(TESTS / "deploy" / "test_peer_tls.py")
+    assert "tests.support.sglang_ranks.Ranks" in imports(ROOT / "benchmarks" / "sglang_plugin_hops.py")
+    assert "tests.support.reference.Reference" in imports(TESTS / "conftest.py")
 
 
-def test_no_test_module_imports_another():
-    tests = ROOT / "tests"
+def test_tests_share_code_only_through_the_support_package():
+    """No test module imports another test module or a conftest (pytest hands a test its fixtures by
+    name): every tests module imported, in tests/ and benchmarks/, is tests.support or in it."""
     broken = []
-    for path in sorted(tests.rglob("*.py")):
+    for path in sorted([*TESTS.rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
         for imported in imports(path):
-            if in_layer(imported, "tests") and imported.rpartition(".")[2].startswith("test_"):
+            if in_layer(imported, "tests") and imported != "tests" and not in_layer(imported, SUPPORT):
                 broken.append(f"{module_name(path)} imports {imported}")
     assert not broken, broken
+
+
+def test_fixtures_live_in_conftests_not_in_the_support_package():
+    found = []
+    for path in sorted((TESTS / "support").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for decorator in node.decorator_list:
+                    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+                    if ast.unparse(target).endswith("fixture"):
+                        found.append(f"{module_name(path)}.{node.name}")
+    assert not found, found

@@ -14,8 +14,8 @@ import pytest
 from kvbroker_client import Component
 from kvbroker_client.adapter import AdapterSettings, EngineLink, Part, Phase, ReceivingRequest, SendingRequest
 from kvbroker_client.adapter.request import Request
-from tests.client.conftest import CALL_TIMEOUT_S, assert_pool_equals, expected_destination, unique
-from tests.client.engines import PoolEngine, pool_engine
+from tests.support.pool_engines import PoolEngine, pool_engine
+from tests.support.pools import CALL_TIMEOUT_S, assert_pool_equals, expected_destination, unique
 
 pytestmark = pytest.mark.integration
 SETTLE_S = 30.0  # every wait of these tests is bounded by this

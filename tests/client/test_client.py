@@ -28,8 +28,8 @@ from kvbroker_client import (
     Unavailable,
     Unimplemented,
 )
-from tests.client.conftest import assert_pool_equals, connect, expected_destination, fragmented, unique
-from tests.client.engines import pool_engine
+from tests.support.pool_engines import pool_engine
+from tests.support.pools import assert_pool_equals, connect, expected_destination, fragmented, unique
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="session")]
 

@@ -28,7 +28,7 @@ from kvbroker_client.tensors import (
     layer_buffer,
     memory_ref,
 )
-from tests.client.conftest import CANARY, assert_pool_equals, expected_destination, fragmented, unique
+from tests.support.pools import CANARY, assert_pool_equals, expected_destination, fragmented, unique
 
 ON_SESSION_LOOP = pytest.mark.asyncio(loop_scope="session")
 

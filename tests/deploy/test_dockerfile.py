@@ -14,7 +14,7 @@ import zipfile
 import pytest
 
 from kvbroker.config import Settings
-from tests.deploy.conftest import REPO, build_context_files, dockerfile_instructions, env_of, tool
+from tests.support.deploy import REPO, build_context_files, dockerfile_instructions, env_of, tool
 
 INSTRUCTIONS = dockerfile_instructions()
 FINAL_STAGE = max(i.stage for i in INSTRUCTIONS)

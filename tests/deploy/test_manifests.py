@@ -10,7 +10,7 @@ import pytest
 
 from kvbroker.config import Settings
 from kvbroker.server import BROKER_SERVICE
-from tests.deploy.conftest import (
+from tests.support.deploy import (
     OVERLAYS,
     PENDING_SETTINGS,
     broker,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbroker.config import Settings
-from tests.deploy.conftest import (
+from tests.support.deploy import (
     OTHER_ROLE,
     broker,
     broker_settings,
@@ -19,7 +19,7 @@ from tests.deploy.conftest import (
     selects,
     without_rdma,
 )
-from tests.helpers import listeners
+from tests.support.helpers import listeners
 
 # Whether brokers of a role are written to, so that the other role's engines connect to theirs. A
 # sender's engine only dials out (README.md, Security, Ports: SYNs seen across two namespaces).

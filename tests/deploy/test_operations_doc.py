@@ -16,7 +16,7 @@ import pytest
 
 from kvbroker.config import Settings
 from kvbroker.core.errors import Code
-from tests.deploy.conftest import REPO, tool
+from tests.support.deploy import REPO, tool
 
 DOC = REPO / "README.md"
 FACTORIES = {"gethostname": "the host name"}

@@ -17,7 +17,7 @@ import pytest
 import trustme
 
 from kvbroker.ops.probe import check
-from tests.deploy.conftest import OTHER_ROLE, broker, literal_env, one, pod_spec, server, settings, volume, without_rdma
+from tests.support.deploy import OTHER_ROLE, broker, literal_env, one, pod_spec, server, settings, volume, without_rdma
 
 TLS_FILES = {"KVBROKER_PEER_TLS_CERT": "certificate-file", "KVBROKER_PEER_TLS_KEY": "privatekey-file",
              "KVBROKER_PEER_TLS_CA": "ca-file"}
@@ -148,7 +148,7 @@ async def test_brokers_with_these_settings_transfer_over_mutual_tls_dialed_by_ip
     from kvbroker_client.v1 import broker_service_pb2 as bpb
     from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
     from kvbroker_tools.launch import start_broker
-    from tests.conftest import ALL, Broker, assert_bytes, expected_after
+    from tests.support.brokers import ALL, Broker, assert_bytes, expected_after
 
     ca, started = trustme.CA(), {}
     try:

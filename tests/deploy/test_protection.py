@@ -15,7 +15,7 @@ import yaml
 
 from kvbroker.backends.transports import unprotected
 from kvbroker.config import Settings
-from tests.deploy.conftest import OVERLAYS, REPO, broker, literal_env, lowered, settings, tool
+from tests.support.deploy import OVERLAYS, REPO, broker, literal_env, lowered, settings, tool
 
 COMPONENTS = REPO / "deploy" / "components"
 

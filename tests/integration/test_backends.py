@@ -28,8 +28,8 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
 from kvbroker_tools.launch import exit_report
-from tests.conftest import ALL, assert_bytes, expected_after, run_engines_in_child
-from tests.helpers import descriptor_rows
+from tests.support.brokers import ALL, assert_bytes, expected_after, run_engines_in_child
+from tests.support.helpers import descriptor_rows
 
 pytestmark = pytest.mark.integration
 

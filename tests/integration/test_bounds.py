@@ -30,8 +30,9 @@ from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
-from tests.conftest import ALL, close_broker, open_broker, until
-from tests.integration.watch import Watch, cpu_s, rss_mib
+from tests.support.brokers import ALL, close_broker, open_broker
+from tests.support.helpers import until
+from tests.support.watch import Watch, cpu_s, rss_mib
 
 pytestmark = pytest.mark.integration
 

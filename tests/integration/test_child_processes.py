@@ -21,7 +21,7 @@ import pytest
 
 from kvbroker_client.client import BrokerClient
 from kvbroker_tools.launch import ChildDied, exit_description, start_broker
-from tests.conftest import REPO_ROOT, run_engines_in_child
+from tests.support.brokers import REPO_ROOT, run_engines_in_child
 
 pytestmark = pytest.mark.integration
 

@@ -17,9 +17,9 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-from tests.conftest import ALL, close_broker, open_broker
-from tests.helpers import scrape
-from tests.integration.flows import INDEX, MAIN, grant, offer, part, refusal, transfer, watch_first
+from tests.support.brokers import ALL, close_broker, open_broker
+from tests.support.flows import INDEX, MAIN, grant, offer, part, refusal, transfer, watch_first
+from tests.support.helpers import scrape
 
 pytestmark = pytest.mark.integration
 

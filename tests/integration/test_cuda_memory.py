@@ -9,7 +9,7 @@ import torch
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
-from tests.conftest import SMALL
+from tests.support.brokers import SMALL
 
 pytestmark = [
     pytest.mark.integration,

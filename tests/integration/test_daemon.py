@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
-from tests.conftest import close_broker, open_broker
+from tests.support.brokers import close_broker, open_broker
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,9 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools.launch import ChildDied
-from tests.conftest import ALL, assert_bytes, close_broker, open_broker
-from tests.helpers import kvbroker, peer_service
-from tests.integration.peer_side import Answers, real_handshake
+from tests.support.brokers import ALL, assert_bytes, close_broker, open_broker
+from tests.support.helpers import kvbroker, peer_service
+from tests.support.peer_side import Answers, real_handshake
 
 pytestmark = pytest.mark.integration
 

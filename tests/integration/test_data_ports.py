@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from tests.conftest import close_broker, open_broker
-from tests.helpers import listeners
+from tests.support.brokers import close_broker, open_broker
+from tests.support.helpers import listeners
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from kvbroker_client.exchange import Exchange, ExchangeUnsupported
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import SMALL, assert_bytes, close_broker, open_broker
-from tests.integration.flows import DENSE, INDEX, M3, MAIN, expect_pages, offer, part, refusal, rest, watch_all
+from tests.support.brokers import SMALL, assert_bytes, close_broker, open_broker
+from tests.support.flows import DENSE, INDEX, M3, MAIN, expect_pages, offer, part, refusal, rest, watch_all
 
 pytestmark = pytest.mark.integration
 

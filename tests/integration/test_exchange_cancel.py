@@ -18,10 +18,10 @@ from kvbroker_client.errors import DeadlineExceeded
 from kvbroker_client.exchange import Exchange
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import close_broker, open_broker
-from tests.integration.flows import grant, watch_first
-from tests.integration.streams import RawExchange, cancel, metric, ping, until_metric
-from tests.integration.watch import rss_mib
+from tests.support.brokers import close_broker, open_broker
+from tests.support.flows import grant, watch_first
+from tests.support.streams import RawExchange, cancel, metric, ping, until_metric
+from tests.support.watch import rss_mib
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,8 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_tools import shapes
-from tests.integration.flows import M3, offer
-from tests.integration.parts_model import MAIN, SHAPE, TERMINAL, Part, attempt
+from tests.support.flows import M3, offer
+from tests.support.parts_model import MAIN, SHAPE, TERMINAL, Part, attempt
 
 pytestmark = pytest.mark.integration
 

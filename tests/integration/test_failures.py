@@ -18,8 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
-from tests.integration.flows import MEDIUM, free_port, grant, transfer_call, until_state
+from tests.support.brokers import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.support.flows import MEDIUM, free_port, grant, transfer_call, until_state
 
 pytestmark = pytest.mark.integration
 

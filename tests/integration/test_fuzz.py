@@ -45,7 +45,7 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from kvbroker_tools import shapes
-from tests.conftest import (
+from tests.support.brokers import (
     ALL,
     SMALL,
     Broker,
@@ -57,7 +57,7 @@ from tests.conftest import (
     expected_after,
     open_broker,
 )
-from tests.integration.peer_side import real_handshake
+from tests.support.peer_side import real_handshake
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import close_brokers, open_broker
-from tests.integration.flows import MAIN, offer, part, watch_first
+from tests.support.brokers import close_brokers, open_broker
+from tests.support.flows import MAIN, offer, part, watch_first
 
 pytestmark = pytest.mark.integration
 

@@ -23,9 +23,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import assert_bytes, close_brokers, open_broker, until
-from tests.integration.flows import MAIN, expect_pages, offer, part
-from tests.integration.watch import idle_connections
+from tests.support.brokers import assert_bytes, close_brokers, open_broker
+from tests.support.flows import MAIN, expect_pages, offer, part
+from tests.support.helpers import until
+from tests.support.watch import idle_connections
 
 pytestmark = pytest.mark.integration
 

@@ -23,9 +23,9 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
-from tests.conftest import ALL, SMALL, Broker, Engine, Engines, assert_bytes, close_brokers, open_broker
-from tests.helpers import rpc_refusal
-from tests.integration import flows
+from tests.support import flows
+from tests.support.brokers import ALL, SMALL, Broker, Engine, Engines, assert_bytes, close_brokers, open_broker
+from tests.support.helpers import rpc_refusal
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
-from tests.conftest import ALL, close_broker, open_broker
+from tests.support.brokers import ALL, close_broker, open_broker
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +32,7 @@ async def test_local_api_on_a_unix_socket_is_not_world_accessible(bounded, engin
 
 async def test_page_lists_past_the_bound_are_resource_exhausted(bounded, engines, request_id):
     broker, _ = bounded
-    from tests.conftest import SMALL
+    from tests.support.brokers import SMALL
 
     small = SMALL.__class__(**{**SMALL.__dict__, "num_pages": 8})
     dst = await engines.make(broker, "decode", small, fill="canary")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.support.brokers import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

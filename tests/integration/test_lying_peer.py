@@ -13,10 +13,10 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
-from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker, until
-from tests.helpers import peer_service
-from tests.integration.peer_side import Answers, real_handshake
-from tests.integration.watch import Watch, prompt_bound
+from tests.support.brokers import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.support.helpers import peer_service, until
+from tests.support.peer_side import Answers, real_handshake
+from tests.support.watch import Watch, prompt_bound
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.conftest import close_broker, open_broker, until
+from tests.support.brokers import close_broker, open_broker
+from tests.support.helpers import until
 
 pytestmark = pytest.mark.integration
 

@@ -32,7 +32,7 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
 from kvbroker_tools.launch import start_broker
-from tests.conftest import (
+from tests.support.brokers import (
     ALL,
     SMALL,
     Broker,
@@ -42,9 +42,9 @@ from tests.conftest import (
     expected_after,
     run_engines_in_child,
 )
-from tests.helpers import descriptor_rows
-from tests.helpers import rpc_refusal as refused
-from tests.integration.flows import grant, transfer
+from tests.support.flows import grant, transfer
+from tests.support.helpers import descriptor_rows
+from tests.support.helpers import rpc_refusal as refused
 
 pytestmark = pytest.mark.integration
 

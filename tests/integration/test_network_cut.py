@@ -17,9 +17,9 @@ import pytest
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools.launch import start_broker
-from tests.conftest import Broker, close_broker
-from tests.integration.flows import MEDIUM, grant, until_state
-from tests.integration.flows import transfer_call as transfer
+from tests.support.brokers import Broker, close_broker
+from tests.support.flows import MEDIUM, grant, until_state
+from tests.support.flows import transfer_call as transfer
 
 pytestmark = pytest.mark.integration
 

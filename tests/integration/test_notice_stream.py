@@ -17,9 +17,9 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from kvbroker_tools import shapes
-from tests.conftest import assert_bytes, close_brokers, open_broker
-from tests.helpers import scrape
-from tests.integration.flows import MAIN, expect_pages, offer, part, watch_first
+from tests.support.brokers import assert_bytes, close_brokers, open_broker
+from tests.support.flows import MAIN, expect_pages, offer, part, watch_first
+from tests.support.helpers import scrape
 
 pytestmark = pytest.mark.integration
 

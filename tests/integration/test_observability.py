@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import SMALL, BrokerPair, close_broker, open_broker
-from tests.helpers import kvbroker
-from tests.integration.flows import grant, log_entries, transfer
+from tests.support.brokers import SMALL, BrokerPair, close_broker, open_broker
+from tests.support.flows import grant, log_entries, transfer
+from tests.support.helpers import kvbroker
 
 pytestmark = pytest.mark.integration
 

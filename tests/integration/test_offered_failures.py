@@ -13,8 +13,8 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import assert_bytes, close_broker, open_broker
-from tests.integration.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_all, watch_first
+from tests.support.brokers import assert_bytes, close_broker, open_broker
+from tests.support.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_all, watch_first
 
 pytestmark = pytest.mark.integration
 

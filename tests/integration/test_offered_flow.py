@@ -12,8 +12,8 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import SMALL, assert_bytes
-from tests.integration.flows import (
+from tests.support.brokers import SMALL, assert_bytes
+from tests.support.flows import (
     DENSE,
     INDEX,
     M3,

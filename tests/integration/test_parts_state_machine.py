@@ -73,9 +73,9 @@ from hypothesis.stateful import (
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
-from tests.conftest import Engine
-from tests.integration.flows import DENSE, M3, offer, watch_first
-from tests.integration.parts_model import (
+from tests.support.brokers import Engine
+from tests.support.flows import DENSE, M3, offer, watch_first
+from tests.support.parts_model import (
     CALL_S,
     DE,
     FAILED,

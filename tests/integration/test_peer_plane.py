@@ -26,10 +26,10 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from kvbroker_tools.shapes import CANARY
-from tests.conftest import assert_bytes, close_broker, close_brokers, open_broker
-from tests.integration.flows import MAIN, expect_pages, offer, part, refusal, watch_all
-from tests.integration.peer_side import Identity
-from tests.integration.watch import idle_connections
+from tests.support.brokers import assert_bytes, close_broker, close_brokers, open_broker
+from tests.support.flows import MAIN, expect_pages, offer, part, refusal, watch_all
+from tests.support.peer_side import Identity
+from tests.support.watch import idle_connections
 
 pytestmark = pytest.mark.integration
 

@@ -21,10 +21,10 @@ from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 from kvbroker_tools.shapes import CANARY
-from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
-from tests.helpers import scrape
-from tests.integration.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_first
-from tests.integration.peer_side import Identity
+from tests.support.brokers import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.support.flows import M3, MAIN, expect_pages, offer, part, refusal, watch_first
+from tests.support.helpers import scrape
+from tests.support.peer_side import Identity
 
 pytestmark = pytest.mark.integration
 

@@ -30,7 +30,7 @@ from kvbroker_client.shm import SharedSegment
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_tools.launch import exit_description, start_broker
-from tests.conftest import (
+from tests.support.brokers import (
     ALL,
     SMALL,
     Broker,
@@ -39,10 +39,9 @@ from tests.conftest import (
     expected_after,
     open_broker,
     run_engines_in_child,
-    until,
 )
-from tests.helpers import descriptor_rows
-from tests.integration.flows import free_port, grant, log_entries, transfer
+from tests.support.flows import free_port, grant, log_entries, transfer
+from tests.support.helpers import descriptor_rows, until
 
 pytestmark = pytest.mark.integration
 

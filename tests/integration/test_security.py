@@ -8,9 +8,9 @@ import pytest
 import trustme
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
-from tests.conftest import ALL, assert_bytes, close_broker, expected_after, open_broker
-from tests.integration.flows import grant, transfer
-from tests.integration.peer_side import Identity
+from tests.support.brokers import ALL, assert_bytes, close_broker, expected_after, open_broker
+from tests.support.flows import grant, transfer
+from tests.support.peer_side import Identity
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import ALL, close_broker, open_broker
+from tests.support.brokers import ALL, close_broker, open_broker
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +98,7 @@ async def test_a_server_that_dies_loses_its_engines(brokers, engines, request_id
         from kvbroker_tools import shapes
         from kvbroker_client.shm import SharedSegment
         from kvbroker_client.v1 import broker_service_pb2 as bpb, broker_service_pb2_grpc as bpb_grpc
-        from tests.conftest import SMALL
+        from tests.support.brokers import SMALL
 
         async def main():
             stub = bpb_grpc.BrokerServiceStub(grpc.aio.insecure_channel({broker.process.listen!r}))

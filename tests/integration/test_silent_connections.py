@@ -21,9 +21,9 @@ import pytest
 import trustme
 
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import assert_bytes, close_brokers, open_broker
-from tests.integration.flows import MAIN, expect_pages, offer, part
-from tests.integration.peer_side import Identity
+from tests.support.brokers import assert_bytes, close_brokers, open_broker
+from tests.support.flows import MAIN, expect_pages, offer, part
+from tests.support.peer_side import Identity
 
 pytestmark = pytest.mark.integration
 

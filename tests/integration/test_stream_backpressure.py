@@ -23,10 +23,11 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-from tests.conftest import close_broker, open_broker, until
-from tests.integration.flows import MAIN, watch_all
-from tests.integration.streams import SMALL_WINDOW, RawExchange, metric, ping, until_metric, writes_until_blocked
-from tests.integration.watch import prompt_bound, rss_mib
+from tests.support.brokers import close_broker, open_broker
+from tests.support.flows import MAIN, watch_all
+from tests.support.helpers import until
+from tests.support.streams import SMALL_WINDOW, RawExchange, metric, ping, until_metric, writes_until_blocked
+from tests.support.watch import prompt_bound, rss_mib
 
 pytestmark = pytest.mark.integration
 

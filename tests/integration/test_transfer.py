@@ -10,8 +10,8 @@ import pytest
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import ALL, SMALL, assert_bytes, expected_after
-from tests.integration.flows import grant, transfer, watch_all, watch_first
+from tests.support.brokers import ALL, SMALL, assert_bytes, expected_after
+from tests.support.flows import grant, transfer, watch_all, watch_first
 
 pytestmark = pytest.mark.integration
 

@@ -18,9 +18,9 @@ import pytest
 import pytest_asyncio
 
 from kvbroker_tools.serving import client, minimax, stack
-from tests.servers import conftest
-from tests.servers.conftest import (
-    ANSWER_TOKENS,
+from tests.support import sglang_servers
+from tests.support.reference import ANSWER_TOKENS, Reference
+from tests.support.sglang_servers import (
     CHUNK_TOKENS,
     SERVER_ENV,
     disconnect_after_bootstrap,
@@ -28,7 +28,6 @@ from tests.servers.conftest import (
     restart_broker_then_ask,
     settled,
 )
-from tests.sglang_reference import Reference
 
 # The servers run the model's experts eagerly (minimax.SERVER_ENV, TORCH_COMPILE_DISABLE): compiled, a
 # server's first request waited minutes for inductor's C++ builds, and three of them starting together
@@ -40,8 +39,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # a server st
 # move MiniMax-shaped requests in tests/integration. A second deployment here cost 8 of CI's 90 minutes.
 ENGINES = ["nixl"]
 MINIMAX_ENV = {"KVBROKER_SERVING_MINIMAX": "1", **minimax.SERVER_ENV, **SERVER_ENV}
-# conftest.PREFILL_ARGS: --chunked-prefill-size and --log-requests (the disconnect case reads prefill's log)
-PREFILL_ARGS = (*minimax.SERVER_ARGS, *conftest.PREFILL_ARGS)
+# sglang_servers.PREFILL_ARGS: --chunked-prefill-size and --log-requests (the disconnect case reads prefill's log)
+PREFILL_ARGS = (*minimax.SERVER_ARGS, *sglang_servers.PREFILL_ARGS)
 
 
 @pytest.fixture(scope="module")

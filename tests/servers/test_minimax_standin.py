@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.sglang.cpu_torchvision import declare_torchvision_ops
+from tests.support.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 

@@ -4,7 +4,7 @@ transfer engine of the brokers: every answer's greedy tokens equal the non-PD re
 Each token after the first is computed by decode from the KV cache it received, so a page missing,
 misplaced or stale changes the tokens. Prefill runs with --chunked-prefill-size 64: a prompt of n
 tokens reaches decode in ceil(n / 64) parts. After every case both servers still serve and both
-brokers hold nothing (conftest.settled).
+brokers hold nothing (tests/support/sglang_servers.py `settled`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 import pytest_asyncio
 
 from kvbroker_tools.serving import client, stack
-from tests.servers.conftest import (
-    ANSWER_TOKENS,
+from tests.support.helpers import until_awaited
+from tests.support.reference import ANSWER_TOKENS
+from tests.support.sglang_servers import (
     CHUNK_TOKENS,
     brokers_idle,
     disconnect_after_bootstrap,
@@ -26,7 +27,6 @@ from tests.servers.conftest import (
     restart_broker_then_ask,
     settled,
     start_stack,
-    until,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # a server start may take its 600 s bound
@@ -118,7 +118,7 @@ async def test_decode_killed_mid_transfer_and_restarted(pd, reference, http):
         now = await stack.broker_holds(pd.brokers["prefill"])
         return request.done() or now["transferring"] > before["transferring"]
 
-    assert await until(transferring, timeout=120), "the prefill broker never started the transfer"
+    assert await until_awaited(transferring, timeout=120), "the prefill broker never started the transfer"
     await post(http, pd.prefill.url + "/pause_generation", {"mode": "in_place"})
     try:
         held = await stack.broker_holds(pd.brokers["prefill"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbroker_client.adapter.aux import AuxError, decode_aux, encode_aux, write_aux
-from tests.sglang import ranks  # noqa: F401 - declares torchvision's ops before sglang is imported
+from tests.support import sglang_ranks as ranks  # noqa: F401 - declares torchvision's ops before sglang is imported
 
 
 def _buffers():

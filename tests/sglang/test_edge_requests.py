@@ -19,8 +19,8 @@ import torch
 
 from kvbroker_client import BrokerClient, NotFound
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
-from tests.sglang import ranks
-from tests.sglang.pair import (
+from tests.support import sglang_ranks as ranks
+from tests.support.sglang_pair import (
     DECODE_AUX,
     PREFILL_AUX,
     Pair,

@@ -24,9 +24,8 @@ import torch
 from kvbroker_client import BrokerClient, Component
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
 from kvbroker_tools.launch import start_broker
-from tests.sglang import ranks
-from tests.sglang.conftest import broker_flags
-from tests.sglang.pair import (
+from tests.support import sglang_ranks as ranks
+from tests.support.sglang_pair import (
     CHUNKS,
     DECODE_AUX,
     PAGES,
@@ -48,6 +47,7 @@ from tests.sglang.pair import (
     snapshot,
     start,
 )
+from tests.support.sglang_ranks import broker_flags
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ import torch
 from kvbroker_client import SharedMemoryRef
 from kvbroker_client.adapter.memory import MemoryExporter, NotExportable
 from kvbroker_sglang import host_pools
-from tests.sglang import ranks
+from tests.support import sglang_ranks as ranks
 
 pytestmark = pytest.mark.integration
 

@@ -24,7 +24,7 @@ import grpc
 import pytest
 
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender
-from tests.sglang.pair import (
+from tests.support.sglang_pair import (
     CHUNKS,
     PAGES,
     POLL_TIMEOUT_S,

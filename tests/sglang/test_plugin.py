@@ -11,7 +11,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from kvbroker_sglang import conn, plugin
-from tests.conftest import REPO_ROOT
+from tests.support.brokers import REPO_ROOT
 
 
 def test_entry_point_is_registered_in_sglangs_plugin_group():
@@ -84,7 +84,7 @@ def test_another_sglang_version_is_refused_by_name():
 
 
 def test_sglang_plugins_without_kvbroker_leaves_sglang_alone():
-    code = ("from tests.sglang.cpu_torchvision import declare_torchvision_ops; declare_torchvision_ops()\n"
+    code = ("from tests.support.cpu_torchvision import declare_torchvision_ops; declare_torchvision_ops()\n"
             "from sglang.srt.plugins import load_plugins; load_plugins()\n"
             "from sglang.srt.disaggregation.utils import TransferBackend\n"
             "print('kvbroker' in [b.value for b in TransferBackend])")

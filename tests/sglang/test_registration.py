@@ -11,7 +11,7 @@ import pytest
 from kvbroker_client import BrokerClient, BufferRole, Component, Layout, SharedMemoryRef
 from kvbroker_client.adapter.memory import NotExportable
 from kvbroker_sglang.layout import LayoutError, engine_components
-from tests.sglang import ranks
+from tests.support import sglang_ranks as ranks
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ import requests
 
 from kvbroker_sglang.conn import KvbrokerTransferError
 from kvbroker_sglang.wire import Metadata, Registration, WireError
-from tests.sglang import ranks
+from tests.support import sglang_ranks as ranks
 
 pytestmark = pytest.mark.integration
 ROOM = 424242

@@ -50,7 +50,7 @@ from kvbroker_client.tensors import cuda_ipc_ref_from_reduction, ipc_mem_handle
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
-from tests.helpers import refusal
+from tests.support.helpers import refusal
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 HANDLE_A = bytes(range(1, 65))

@@ -19,7 +19,7 @@ from kvbroker.flows.broker import Broker
 from kvbroker.flows.limits import Limits
 from kvbroker.flows.send_step import SendJob, failure
 from kvbroker.peers.link import GrantOffer, PartAck, PartNotice
-from tests.helpers import refusal
+from tests.support.helpers import refusal
 
 TOKEN = "ab" * 16
 DECODE = PeerIdentity("decode-1", False)

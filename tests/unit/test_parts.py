@@ -21,7 +21,7 @@ from kvbroker.core.model import (
 )
 from kvbroker.core.parts import Coverage, Landed, Landing, PartPages, check_grant_inside, landed_bytes, plan_part
 from kvbroker.core.planner import build_descriptors, plan_runs
-from tests.helpers import refusal
+from tests.support.helpers import refusal
 
 MAIN, INDEX, DENSE = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 4, 0, 4, KvDtype.BFLOAT16)

@@ -27,8 +27,7 @@ from kvbroker.ops.metrics import Metrics
 from kvbroker.peers.clients import PeerClients
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
-from tests.conftest import until
-from tests.helpers import peer_service
+from tests.support.helpers import peer_service, until
 
 TIMEOUT = 5.0
 IDLE_S = 0.5

@@ -1,4 +1,4 @@
-"""The send and receive pipelines whole, between two Brokers of one process (tests/unit/linked_brokers.py:
+"""The send and receive pipelines whole, between two Brokers of one process (tests/support/linked_brokers.py:
 a PeerLink that calls the other Broker, a backend that writes with memmove): every flow's bytes, its
 final states on both sides, and the peer calls it took, without a process, a port or an engine. The
 same flows through real brokers and engines are tests/integration's."""
@@ -15,7 +15,7 @@ from kvbroker.edge import convert
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
-from tests.unit.linked_brokers import HostEngine, Side, host_engine, linked_pair
+from tests.support.linked_brokers import HostEngine, Side, host_engine, linked_pair
 
 ALL = (pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K)
 SRC = np.array([3, 4, 5, 9, 10, 20])

@@ -21,7 +21,7 @@ from kvbroker.core.model import (
 from kvbroker.core.validation import validate_spec
 from kvbroker.flows.registry import Registry
 from kvbroker_client.shm import SharedSegment
-from tests import helpers
+from tests.support import helpers
 
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)
 

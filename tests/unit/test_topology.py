@@ -21,7 +21,7 @@ from kvbroker.core.model import (
     Layout,
     Topology,
 )
-from tests.helpers import refusal
+from tests.support.helpers import refusal
 
 BASE = Topology(tp_size=1, tp_rank=0, attn_tp_size=1, attn_tp_rank=0, pp_size=1, pp_rank=0, dp_rank=0,
                 page_size=16, start_layer=0, end_layer=4, kv_dtype=KvDtype.BFLOAT16)

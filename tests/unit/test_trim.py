@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvbroker.ops.trim import MemoryTrim, TrimPolicy
-from tests.conftest import until
+from tests.support.helpers import until
 
 
 async def test_a_trim_follows_big_requests_once_they_stop():

@@ -17,7 +17,7 @@ from kvbroker.core.model import (
     Topology,
 )
 from kvbroker.core.validation import check_aux, check_grant_pages, check_part_pages, check_peer_address
-from tests.helpers import refusal
+from tests.support.helpers import refusal
 
 MAIN, INDEX, INDEX_KV = Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_INDEX_KV
 TOPO = Topology(1, 0, 1, 0, 1, 0, 0, 16, 0, 4, KvDtype.BFLOAT16)

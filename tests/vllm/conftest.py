@@ -1,9 +1,8 @@
 """Fixtures of the vLLM tests: vLLM 0.32's own servers (.venv-vllm, built by scripts/setup.sh --test),
 started as users start them (tooling/src/kvbroker_tools/serving/vllm_stack.py): a non-PD reference server for the
 session, and per transfer engine a prefill and a decode server with kvbroker's connector, a broker
-beside each, behind vllm-router, shared by a module's tests.
-
-Every case leaves both servers serving and both brokers holding no request (`settled`).
+beside each, behind vllm-router, shared by a module's tests. What the tests share besides lives in
+tests/support/vllm_servers.py.
 """
 
 from __future__ import annotations
@@ -12,19 +11,13 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
-from kvbroker_tools.launch import BrokerProcess, start_broker
-from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.helpers import until
+from kvbroker_tools.serving import vllm_stack
+from tests.support.vllm_servers import CONNECTOR, Reference
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-ANSWER_TOKENS = 8
-BLOCK = 32  # vllm_stack's --block-size
-# prefill holds a request's blocks this long for decode's offer; decode's grant lives this long
-CONNECTOR = {"hold_s": 60, "grant_expiry_s": 60}
 
 
 def pytest_collection_modifyitems(items):
@@ -36,24 +29,8 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session")
 def vllm_log_root(log_root) -> Path:
     """The vLLM servers' logs, beside the SGLang servers' (the model and HTTP session are theirs too:
-    tests/sglang_reference.py)."""
+    tests/conftest.py)."""
     return log_root / "vllm"
-
-
-class Reference:
-    """The non-PD vLLM server and its greedy answers, by prompt."""
-
-    def __init__(self, deployment: vllm_stack.Deployment, http: aiohttp.ClientSession) -> None:
-        self.deployment = deployment
-        self._http = http
-        self._answers: dict[tuple[int, ...], list[int]] = {}
-
-    async def answer(self, prompt: list[int], tokens: int = ANSWER_TOKENS) -> list[int]:
-        key = (*prompt, -tokens)
-        if key not in self._answers:
-            got = await vllm_stack.complete(self._http, self.deployment.url, prompt, tokens)
-            self._answers[key] = got.output_ids
-        return self._answers[key]
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -68,42 +45,3 @@ async def vllm_pd(backend, model, vllm_log_root) -> AsyncIterator[vllm_stack.Dep
     deployment = await vllm_stack.start_kvbroker_pd(model, vllm_log_root / f"pd-{backend}", backend, **CONNECTOR)
     yield deployment
     await deployment.stop()
-
-
-async def brokers_hold(deployment: vllm_stack.Deployment) -> dict[str, dict[str, int]]:
-    return {side: await stack.broker_holds(broker) for side, broker in deployment.brokers.items()}
-
-
-async def settled(deployment: vllm_stack.Deployment, reference: Reference, http: aiohttp.ClientSession) -> None:
-    """After a case: both brokers hold no request and keep their engine, and a fresh request through
-    the router answers as the reference does."""
-    async def idle():
-        held = await brokers_hold(deployment)
-        return held if all(h["live_requests"] == 0 for h in held.values()) else None
-
-    held = await until(idle, timeout=120)
-    assert held, f"a broker still holds requests: {await brokers_hold(deployment)}"
-    assert all(h["engines"] == 1 for h in held.values()), f"an engine is missing: {held}"
-
-    async def servers_hold():
-        return {side: await vllm_stack.held(http, deployment.servers[side].url) for side in ("prefill", "decode")}
-
-    async def servers_idle():  # prefill holds a request's blocks at most hold_s without decode's offer
-        now = await servers_hold()
-        return now if all(not any(h.values()) for h in now.values()) else None
-
-    idle_servers = await until(servers_idle, timeout=CONNECTOR["hold_s"] + 60)
-    assert idle_servers, f"a server still holds requests or blocks: {await servers_hold()}"
-    prompt = client.prompts(1, 3 * BLOCK + 5, seed=20_000)[0]
-    got = await vllm_stack.complete(http, deployment.url, prompt, ANSWER_TOKENS)
-    assert got.output_ids == await reference.answer(prompt), "the settling request"
-    assert all(s.alive() for s in deployment.servers.values())
-
-
-async def restart_broker(deployment: vllm_stack.Deployment, side: str, backend: str) -> BrokerProcess:
-    """The broker beside `side` stopped and started again on the same addresses."""
-    old = deployment.brokers[side]
-    await old.stop()
-    deployment.brokers[side] = await start_broker(old.broker_id, "--backend", backend, "--listen", old.listen,
-                                                  "--peer-listen", old.peer_listen)
-    return deployment.brokers[side]

@@ -110,4 +110,4 @@ def main(broker: str) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(main(sys.argv[1])), flush=True)
-    os._exit(0)  # NIXL's teardown crashes at interpreter exit (tests/conftest.py run_engines_in_child)
+    os._exit(0)  # NIXL's teardown crashes at interpreter exit (tests/support/brokers.py run_engines_in_child)

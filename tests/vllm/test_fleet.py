@@ -18,7 +18,7 @@ import pytest_asyncio
 from kvbroker_client import BrokerClient, BrokerError, Component, FailedPrecondition, SharedMemoryRef
 from kvbroker_tools.launch import start_broker, start_brokers
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.vllm.conftest import ANSWER_TOKENS, CONNECTOR
+from tests.support.vllm_servers import ANSWER_TOKENS, CONNECTOR
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]  # six servers start together, in minutes here
 SGLANG_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}

@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.helpers import until
-from tests.vllm.conftest import ANSWER_TOKENS, BLOCK, CONNECTOR, restart_broker, settled
+from tests.support.helpers import until_awaited
+from tests.support.vllm_servers import ANSWER_TOKENS, BLOCK, CONNECTOR, restart_broker, settled
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # servers start in minutes here
 
@@ -106,7 +106,7 @@ async def test_a_request_decode_never_takes_is_let_go_after_hold_s_and_a_late_de
         return not any((await vllm_stack.held(http, vllm_pd.servers["prefill"].url)).values())
 
     assert not await prefill_free(), "prefill does not hold the request's blocks for decode"
-    assert await until(prefill_free, timeout=CONNECTOR["hold_s"] + 60), "prefill still holds the blocks"
+    assert await until_awaited(prefill_free, timeout=CONNECTOR["hold_s"] + 60), "prefill still holds the blocks"
     status, late = await post(http, vllm_pd.servers["decode"].url, {
         "prompt": prompt, "max_tokens": ANSWER_TOKENS, "temperature": 0, "stream": False,
         "kv_transfer_params": params})
@@ -122,7 +122,7 @@ async def test_a_broker_restarted_comes_back_and_the_next_request_answers(vllm_p
     async def registered():
         return (await stack.broker_holds(broker))["engines"] == 1
 
-    assert await until(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
+    assert await until_awaited(registered, timeout=120), f"the {side} server's engine did not come back to its broker"
     prompt = client.prompts(1, 60, seed=50)[0]
     got = await vllm_stack.complete(http, vllm_pd.url, prompt, ANSWER_TOKENS)
     assert got.output_ids == await vllm_reference.answer(prompt), f"after the {side} broker restarted"

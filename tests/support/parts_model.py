@@ -21,8 +21,8 @@ import numpy as np
 
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
-from tests.conftest import SMALL, Engine
-from tests.integration.flows import DENSE, INDEX, MAIN
+from tests.support.brokers import SMALL, Engine
+from tests.support.flows import DENSE, INDEX, MAIN
 
 # The tests' small shape with 16 KiB main and dense pages (1 KiB index pages): a part of a dozen pages
 # is a few MiB, so that a write is still running now and then when a cancel or an expiry comes.

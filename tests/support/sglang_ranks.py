@@ -8,6 +8,9 @@
                              MetadataBuffers for aux and SGLang's own setup_state_kv_args
     SGLangProcess(port)      the runtime context a scheduler process publishes (loopback, bootstrap port)
     page_bytes(pool, ...)    the bytes of given pages of every buffer of a component, for comparison
+    Ranks(process)           SGLang's KV managers (and prefill's bootstrap server) built on brokers, as
+                             SGLang's `_init_kv_manager` builds them; closed after the test
+    broker_flags(backend)    the flags of the brokers they use (BROKER_FLAGS: NIXL's)
 
 No SGLang class is imitated: every object here is SGLang's, placed in shared memory as the plugin places it.
 The pools need SGLangProcess's context (a kvbroker PD server's server args), as the hook reads them.
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tests.sglang.cpu_torchvision import declare_torchvision_ops
+from tests.support.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
@@ -190,3 +193,48 @@ def page_bytes(pool: MiniMaxSparseKVPool, component: str, pages: Sequence[int]) 
 
 def whole(pool: MiniMaxSparseKVPool, component: str) -> list[np.ndarray]:
     return [b.view(torch.uint8).numpy().reshape(-1).copy() for b in component_buffers(pool, component)]
+
+
+def broker_flags(backend: str = "nixl") -> tuple[str, ...]:
+    return ("--backend", backend, "--log-level", "WARNING")
+
+
+BROKER_FLAGS = broker_flags()
+
+
+class Ranks:
+    """Builds SGLang KV managers (and the prefill's bootstrap server) on brokers; closes them after the test."""
+
+    def __init__(self, process: SGLangProcess) -> None:
+        self.process = process
+        self._closers: list = []
+
+    def bootstrap_server(self):
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+        server_class = get_kv_class(TransferBackend.KVBROKER, KVClassType.BOOTSTRAP_SERVER)
+        server = server_class(host="127.0.0.1", port=self.process.bootstrap_port)
+        self._closers.append(server.close)
+        return server
+
+    def manager(self, broker_listen: str, mode: str, rank: Rank, *, is_mla: bool = False, **env: str):
+        """SGLang's `_init_kv_manager` last step: the backend's manager class on these KVArgs."""
+        from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType, TransferBackend, get_kv_class
+
+        manager_class = get_kv_class(TransferBackend.KVBROKER, KVClassType.MANAGER)
+        saved = {k: os.environ.get(k) for k in ("KVBROKER_ADDRESS", *env)}
+        os.environ.update({"KVBROKER_ADDRESS": broker_listen, **env})
+        try:
+            manager = manager_class(rank.kv_args, DisaggregationMode(mode), None, is_mla)
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self._closers.append(manager.close)
+        return manager
+
+    def close(self) -> None:
+        for close in reversed(self._closers):
+            close()

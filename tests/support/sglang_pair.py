@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvbroker_sglang.conn import KvbrokerKVReceiver, KvbrokerKVSender, KvbrokerTransferError
-from tests.sglang import ranks
+from tests.support import sglang_ranks as ranks
 
 PAGES, PREFIX_PAGES = 10, 2
 CHUNKS = [slice(2, 5), slice(5, 8), slice(8, 10)]  # the 8 pages after decode's prefix, in 3 chunks

@@ -1,37 +1,17 @@
-"""The session's non-PD SGLang server, the reference its PD deployments answer against, with the model
-and HTTP session the server tests share. A plugin of the root conftest: tests/servers and the fleet
-(tests/vllm/test_fleet.py) ask the one server, started once per run and idle between (--sleep-on-idle)."""
+"""The session's non-PD SGLang server as the reference its PD deployments answer against (`Reference`),
+and how many tokens an answer has (`ANSWER_TOKENS`). tests/conftest.py's `reference` fixture starts the
+one server, once per run and idle between (--sleep-on-idle), for tests/servers and the fleet
+(tests/vllm/test_fleet.py), with the `model` and `http` session they share."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
-import pytest
-import pytest_asyncio
 
-from kvbroker_tools.serving import client, models, stack
+from kvbroker_tools.serving import client, stack
 
 ANSWER_TOKENS = 8
-
-
-@pytest.fixture(scope="session")
-def log_root(tmp_path_factory) -> Path:
-    """The servers' logs, under pytest's base temp: the last three runs' are kept."""
-    return tmp_path_factory.mktemp("servers")
-
-
-@pytest.fixture(scope="session")
-def model() -> Path:
-    return models.llama()
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 class Reference:
@@ -62,9 +42,3 @@ class Reference:
         self.ready.cancel()
         await self.server.stop()
 
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def reference(model, log_root, http) -> AsyncIterator[Reference]:
-    server = await stack.start_server("reference", model, log_root / "reference", wait=False)
-    async with Reference(server, http) as made:
-        yield made

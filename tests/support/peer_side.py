@@ -1,6 +1,6 @@
 """What the integration tests share to stand on the peer plane beside real brokers: a PeerService of
 the test's own that answers Handshake with what the test hands it (`Answers`, served by
-tests/helpers.py's `peer_service`), a real broker's own Handshake answer (`real_handshake`, to lie
+tests/support/helpers.py's `peer_service`), a real broker's own Handshake answer (`real_handshake`, to lie
 with), and a certificate of a test CA as a broker's files and a raw client's credentials (`Identity`).
 Not a test module: test modules import from here, never from each other."""
 

@@ -1,4 +1,4 @@
-"""What the stream tests share (tests/integration/test_streams.py and others): a raw Exchange stream
+"""What the stream tests share (test_stream_backpressure.py, test_exchange_cancel.py): a raw Exchange stream
 whose every reply the test sees (`RawExchange`), a client that writes and never reads until the
 broker stops reading it (`writes_until_blocked`), and a broker's metric samples by label
 (`samples`, `metric`, `until_metric`). Not a test module: test modules import from here, never from each other."""

@@ -13,7 +13,7 @@ import resource
 import socket
 import sys
 
-from tests.conftest import until
+from tests.support.helpers import until
 
 HEALTH_PROMPT_S = 2.0  # the least "answers promptly" allows, however fast its baseline (health was 5.9 s
 # under the flood when the work came before the refusal)

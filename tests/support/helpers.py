@@ -4,11 +4,12 @@
 - `peer_service`: a PeerService of the test's own, served on loopback;
 - a process seen from outside: `listeners` (its listening ports), `scrape` (a broker's /metrics
   summed per name), `kvbroker` (the CLI run in a child process);
-- `until`: poll an async condition, bounded, for states no event announces (what a broker or server holds);
+- waits for states no event announces, bounded: `until` polls a plain condition (10 s unless told),
+  `until_awaited` an async one, a call each time (60 s unless told; what a broker or server holds);
 - `descriptor_rows`: descriptor rows (address, length, device) for a Backend's write, without the planner.
 
-Test modules import from here (and from tests/integration/flows.py and the other non-test modules
-beside them), never from each other: tests/test_layers.py pins it.
+Test modules import from here and the other modules of tests/support, never from each other or
+from a conftest: tests/test_layers.py pins it.
 """
 
 from __future__ import annotations
@@ -108,9 +109,22 @@ def descriptor_rows(base: int, offsets, length: int) -> np.ndarray:
     return out
 
 
-async def until(condition, timeout: float = 60.0, interval: float = 0.1):
-    """Poll an async `condition` until it is truthy or `timeout` passes; its last value. For states
-    no event announces (what a broker holds, a server's queue)."""
+async def until(condition, timeout: float = 10.0) -> bool:
+    """Poll a plain `condition` (a callable returning a truth value) every 10 ms until it holds or
+    `timeout` passes; its last value. For states no event announces (a process's memory, an engine's
+    peers, a sweeper's work)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if (held := condition()) or loop.time() > deadline:
+            return held
+        await asyncio.sleep(0.01)
+
+
+async def until_awaited(condition, timeout: float = 60.0, interval: float = 0.1):
+    """Poll an async `condition` (a coroutine function, awaited each time) until it is truthy or
+    `timeout` passes; its last value. For states no event announces that take a call to read (what
+    a broker holds, a server's queue)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:

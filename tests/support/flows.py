@@ -14,8 +14,8 @@ import numpy as np
 from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
-from tests.conftest import ALL
-from tests.helpers import rpc_refusal as refusal  # noqa: F401  the offered-flow tests' name
+from tests.support.brokers import ALL
+from tests.support.helpers import rpc_refusal as refusal  # noqa: F401  the offered-flow tests' name
 
 MAIN, INDEX, DENSE = pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K, pb.COMPONENT_MINIMAX_DENSE_KV
 M3 = ("MAIN_KV", "MINIMAX_INDEX_K", "MINIMAX_DENSE_KV")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvbroker_client import Component, ComponentSpec, KvDtype, Topology
 from kvbroker_client.tensors import SharedPool, flat_component, kv_split_component
-from tests.client.conftest import Pools
+from tests.support.pools import Pools
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""vLLM 0.32's own servers for the vLLM tests (tests/vllm), started as users start them
+(tooling/src/kvbroker_tools/serving/vllm_stack.py; .venv-vllm, built by scripts/setup.sh --test):
+`Reference`, the non-PD server's greedy answers; what kvbroker's connector is told (`CONNECTOR`);
+`settled`, checked after every case; `restart_broker`. tests/vllm/conftest.py's fixtures start the
+servers.
+
+Every case leaves both servers serving and both brokers holding no request (`settled`).
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from kvbroker_tools.launch import BrokerProcess, start_broker
+from kvbroker_tools.serving import client, stack, vllm_stack
+from tests.support.helpers import until_awaited
+
+ANSWER_TOKENS = 8
+BLOCK = 32  # vllm_stack's --block-size
+# prefill holds a request's blocks this long for decode's offer; decode's grant lives this long
+CONNECTOR = {"hold_s": 60, "grant_expiry_s": 60}
+
+
+class Reference:
+    """The non-PD vLLM server and its greedy answers, by prompt."""
+
+    def __init__(self, deployment: vllm_stack.Deployment, http: aiohttp.ClientSession) -> None:
+        self.deployment = deployment
+        self._http = http
+        self._answers: dict[tuple[int, ...], list[int]] = {}
+
+    async def answer(self, prompt: list[int], tokens: int = ANSWER_TOKENS) -> list[int]:
+        key = (*prompt, -tokens)
+        if key not in self._answers:
+            got = await vllm_stack.complete(self._http, self.deployment.url, prompt, tokens)
+            self._answers[key] = got.output_ids
+        return self._answers[key]
+
+
+async def brokers_hold(deployment: vllm_stack.Deployment) -> dict[str, dict[str, int]]:
+    return {side: await stack.broker_holds(broker) for side, broker in deployment.brokers.items()}
+
+
+async def settled(deployment: vllm_stack.Deployment, reference: Reference, http: aiohttp.ClientSession) -> None:
+    """After a case: both brokers hold no request and keep their engine, and a fresh request through
+    the router answers as the reference does."""
+    async def idle():
+        held = await brokers_hold(deployment)
+        return held if all(h["live_requests"] == 0 for h in held.values()) else None
+
+    held = await until_awaited(idle, timeout=120)
+    assert held, f"a broker still holds requests: {await brokers_hold(deployment)}"
+    assert all(h["engines"] == 1 for h in held.values()), f"an engine is missing: {held}"
+
+    async def servers_hold():
+        return {side: await vllm_stack.held(http, deployment.servers[side].url) for side in ("prefill", "decode")}
+
+    async def servers_idle():  # prefill holds a request's blocks at most hold_s without decode's offer
+        now = await servers_hold()
+        return now if all(not any(h.values()) for h in now.values()) else None
+
+    idle_servers = await until_awaited(servers_idle, timeout=CONNECTOR["hold_s"] + 60)
+    assert idle_servers, f"a server still holds requests or blocks: {await servers_hold()}"
+    prompt = client.prompts(1, 3 * BLOCK + 5, seed=20_000)[0]
+    got = await vllm_stack.complete(http, deployment.url, prompt, ANSWER_TOKENS)
+    assert got.output_ids == await reference.answer(prompt), "the settling request"
+    assert all(s.alive() for s in deployment.servers.values())
+
+
+async def restart_broker(deployment: vllm_stack.Deployment, side: str, backend: str) -> BrokerProcess:
+    """The broker beside `side` stopped and started again on the same addresses."""
+    old = deployment.brokers[side]
+    await old.stop()
+    deployment.brokers[side] = await start_broker(old.broker_id, "--backend", backend, "--listen", old.listen,
+                                                  "--peer-listen", old.peer_listen)
+    return deployment.brokers[side]
