@@ -190,6 +190,12 @@ class Request:
         """A cancel was started (it may have answered)."""
         return self._cancel is not None
 
+    @property
+    def holding(self) -> bool:
+        """A cancel is running and a write may still touch the engine's pages: each role says which
+        writes count (SendingRequest, ReceivingRequest)."""
+        raise NotImplementedError
+
     def when_ended(self, fn: Callable[[Request], None]) -> None:
         """Call `fn(request)` once, when the request is over on the broker's word: terminal, and its
         cancel (if one was started) answered. From then on no write touches its pages. On the link's
