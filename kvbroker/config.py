@@ -223,7 +223,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One --flag per setting; unset flags leave the env var or the default in force."""
     for name, info in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        kind = info.annotation if info.annotation in (int, float) else str
+        kind: type[int | float | str] = int if info.annotation is int else float if info.annotation is float else str
         parser.add_argument(flag, dest=name, type=kind, default=None,
                             help=f"{info.description} [env KVBROKER_{name.upper()}]")
 

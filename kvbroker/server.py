@@ -26,7 +26,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,7 +247,7 @@ class BrokerServer:
         self._trim = MemoryTrim()
         self.metrics = Metrics()
 
-    def _grpc_server(self, service_name: str, options: list[tuple[str, object]], admission: Admission
+    def _grpc_server(self, service_name: str, options: Sequence[tuple[str, object]], admission: Admission
                      ) -> grpc.aio.Server:
         server = grpc.aio.server(options=options, interceptors=[admission])
         servicer = health.aio.HealthServicer()
@@ -268,8 +268,9 @@ class BrokerServer:
         epoch = new_epoch()
         server_credentials, tls = peer_credentials(s)
         log.info("open-file limit %d", raise_fd_limit())
-        channel_options = [("grpc.max_receive_message_length", s.peer_message_bytes),  # a peer's answers too
-                           ("grpc.max_send_message_length", s.peer_message_bytes)]
+        channel_options: list[tuple[str, object]] = [
+            ("grpc.max_receive_message_length", s.peer_message_bytes),  # a peer's answers too
+            ("grpc.max_send_message_length", s.peer_message_bytes)]
         if s.peer_tls_server_name:
             channel_options.append(("grpc.ssl_target_name_override", s.peer_tls_server_name))
         peer_limits = RequestLimits(s.peer_message_bytes, "max_peer_message_bytes", s.max_pages_per_request,
@@ -286,7 +287,8 @@ class BrokerServer:
             log.warning("peers are not authenticated: without mutual TLS (peer_tls_cert, peer_tls_key and "
                         "peer_tls_ca) a peer's broker_id is its own claim, and peer_allow can only trust it")
         peers = PeerClients(s.broker_id, epoch, backend, idle_s=s.peer_idle_s, rpc_timeout_s=s.peer_rpc_timeout_s,
-                            channel_options=channel_options, credentials=tls and tls.channel_credentials,
+                            channel_options=channel_options,
+                            credentials=None if tls is None else tls.channel_credentials,
                             metrics=self.metrics, limits=peer_limits, notice_stream=s.peer_notice_stream)
         broker = Broker(s.broker_id, epoch, backend, limits, peers, metrics=self.metrics, peer_address=peer_address)
         await broker.start()

@@ -1,6 +1,7 @@
 """ruff and mypy run by the suite, with the versions and configuration pinned in pyproject.toml
-(ruff: [tool.ruff]; mypy: [tool.mypy], strict on kvbroker/core, and on the modules of
-kvbroker/flows it lists). Each fails with the tool's own report."""
+(ruff: [tool.ruff]; mypy: [tool.mypy], over the whole daemon and the clients (kvbroker,
+kvbroker_client, kvbroker_sglang, kvbroker_vllm), strict on kvbroker/core and kvbroker/flows).
+Each fails with the tool's own report."""
 
 from __future__ import annotations
 
@@ -25,6 +26,6 @@ def test_ruff_finds_nothing():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_finds_nothing_in_the_checked_modules():
+def test_mypy_finds_nothing_in_the_daemon_and_the_clients():
     result = run("mypy")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -131,7 +131,7 @@ class PeerRefs(Generic[S]):
         """Count one connect; True when the peer was not known before."""
         ref = self._peers.get(peer)
         new = ref is None
-        if new:
+        if ref is None:
             ref = self._add(peer)
         ref.connects += 1
         return new

@@ -34,6 +34,7 @@ import re
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 
@@ -85,7 +86,7 @@ class MooncakeBackend(Backend):
             log.warning("%s=%s: the Mooncake engine abandons a batch after %d s, before transfer_timeout_s (%g s)",
                         TRANSFER_TIMEOUT_ENV, configured, self._engine_timeout, options.transfer_timeout_s)
         self._environment = ports.mooncake_environment(options.data_ports) if options.data_ports else {}
-        self._engine = None
+        self._engine: Any = None  # mooncake.engine's TransferEngine (untyped), once started
         self._session = ""
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
         self._writers = concurrent.futures.ThreadPoolExecutor(WRITER_THREADS,
@@ -190,10 +191,11 @@ class MooncakeBackend(Backend):
         return session
 
     async def disconnect(self, peer: object) -> None:
-        if not self._peers.disconnect(peer):
-            log.warning("Mooncake disconnect of peer session %r without a connect", peer)
+        session = _session(peer)
+        if not self._peers.disconnect(session):
+            log.warning("Mooncake disconnect of peer session %r without a connect", session)
             return
-        self._forget_if_idle(peer)
+        self._forget_if_idle(session)
 
     def _forget_if_idle(self, session: str) -> None:
         if self._peers.drop_if_idle(session):
@@ -209,13 +211,16 @@ class MooncakeBackend(Backend):
     async def write(self, peer: object, descriptors: Descriptors, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        held = self._peers.begin(peer)
+        session = _session(peer)
+        held = self._peers.begin(session)
+        window = held.state
+        assert window is not None  # made by the PeerRefs' factory
         running: list[concurrent.futures.Future] = []
         try:
             async with asyncio.timeout(timeout):
                 for start in range(0, descriptors.count, BATCH_DESCRIPTORS):
-                    await held.state.acquire()  # the peer's window
-                    running.append(self._submit(loop, held.state, peer, descriptors, start))
+                    await window.acquire()  # the peer's window
+                    running.append(self._submit(loop, window, session, descriptors, start))
                     running = _pending_or_raise(running)
                 await asyncio.gather(*map(_wrap, running))
         except TransferFailed:
@@ -234,7 +239,7 @@ class MooncakeBackend(Backend):
             for future in running:
                 future.cancel()  # only batches still queued for a thread; running ones finish in the engine
             self._peers.end(held)
-            self._forget_if_idle(peer)
+            self._forget_if_idle(session)
 
     def _submit(self, loop: asyncio.AbstractEventLoop, window: asyncio.Semaphore, peer: str,
                 descriptors: Descriptors, start: int) -> concurrent.futures.Future:
@@ -315,9 +320,14 @@ def _pending_or_raise(futures: list[concurrent.futures.Future]) -> list[concurre
     for future in futures:
         if not future.done():
             pending.append(future)
-        elif not future.cancelled() and future.exception() is not None:
-            raise future.exception()
+        elif not future.cancelled() and (failure := future.exception()) is not None:
+            raise failure
     return pending
+
+
+def _session(peer: object) -> str:
+    """A peer handle as `connect` returned it: the peer's session id."""
+    return cast(str, peer)
 
 
 def _unregister(engine, addresses: Sequence[int]) -> None:

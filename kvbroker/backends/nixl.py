@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -72,8 +73,8 @@ class RemoteAgents:
     endpoint failed. Used on the NIXL thread only."""
 
     def __init__(self) -> None:
-        self.agent = None  # the local nixl_agent, once started
-        self.peers = PeerRefs()  # remote agents loaded, uses = transfers posted
+        self.agent: Any = None  # the local nixl_agent (nixl ships no types), once started
+        self.peers: PeerRefs[None] = PeerRefs()  # remote agents loaded, uses = transfers posted
         self.loaded: dict[bytes, bytes] = {}  # remote agent -> the metadata it was loaded from
         self.broken: set[bytes] = set()  # remote agents whose endpoint failed (REMOTE_DISCONNECT)
 
@@ -123,7 +124,7 @@ class RemoteAgents:
         self.broken.discard(name)
         log.info("NIXL remote agent reloaded after its endpoint failed", extra=_held(name, self.peers))
 
-    def note_failure(self, name: bytes, exc: Exception) -> None:
+    def note_failure(self, name: bytes, exc: BaseException) -> None:
         """On the NIXL thread: a transfer to `name` failed; a lost endpoint is reloaded before the next."""
         if "REMOTE_DISCONNECT" in f"{type(exc).__name__} {exc}" or "state ERR" in str(exc):
             self.broken.add(name)
@@ -146,7 +147,7 @@ class Posted:
     ended, `failure` what check_xfer_state raised if it did."""
 
     handle: object | None
-    counted: PeerRef | None
+    counted: PeerRef[None] | None
     state: str
     failure: Exception | None = None
 
@@ -173,12 +174,12 @@ class NixlBackend(Backend):
         self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
         self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
             if options.data_ports else {}
-        self._agent = None
+        self._agent: Any = None  # nixl_agent, once started (nixl ships no types)
         self._settle_s = options.transfer_timeout_s  # how long a write past its timeout may still finish
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._remotes = RemoteAgents()  # on the NIXL thread only
         self._peers = self._remotes.peers
-        self._writing = PeerRefs()  # write() calls running per remote agent; on the event loop only
+        self._writing: PeerRefs[None] = PeerRefs()  # write() calls running per remote agent; on the event loop only
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -219,7 +220,7 @@ class NixlBackend(Backend):
 
     async def deregister(self, handle: object) -> None:
         def deregister_all():
-            for reg in handle:
+            for reg in cast("list[object]", handle):  # what register returned
                 self._agent.deregister_memory(reg)
 
         try:
@@ -269,18 +270,19 @@ class NixlBackend(Backend):
 
     async def disconnect(self, peer: object) -> None:
         def unload():
-            if not self._peers.disconnect(peer):
-                log.warning("NIXL disconnect of remote agent %r without a connect", peer)
+            name = _remote_agent(peer)
+            if not self._peers.disconnect(name):
+                log.warning("NIXL disconnect of remote agent %r without a connect", name)
                 return
-            self._remotes.remove_if_idle(peer)
+            self._remotes.remove_if_idle(name)
 
         await self._call(unload)
 
-    def _finish(self, peer: object, handle, counted: PeerRef | None) -> None:
+    def _finish(self, peer: object, handle, counted: PeerRef[None] | None) -> None:
         """On the NIXL thread: release a transfer; a transfer NIXL could not release keeps its agent."""
         if _release(self._agent, handle) and counted is not None:
             self._peers.end(counted)
-            self._remotes.remove_if_idle(peer)
+            self._remotes.remove_if_idle(_remote_agent(peer))
 
     def writing(self, peer: object) -> bool:
         return self._writing.busy(peer)
@@ -299,28 +301,29 @@ class NixlBackend(Backend):
         src = np.ascontiguousarray(descriptors.src)
         dst = np.ascontiguousarray(descriptors.dst)
         src_kind, dst_kind = NIXL_MEMORY[descriptors.src_memory_kind], NIXL_MEMORY[descriptors.dst_memory_kind]
+        name = _remote_agent(peer)
 
-        def post():
-            self._remotes.reload_if_broken(peer)
+        def post() -> Posted:
+            self._remotes.reload_if_broken(name)
             local = self._agent.get_xfer_descs(src, src_kind)
             remote = self._agent.get_xfer_descs(dst, dst_kind)
             try:
                 handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
             except Exception as exc:
-                self._remotes.note_failure(peer, exc)
+                self._remotes.note_failure(name, exc)
                 raise
             counted = self._peers.begin(peer) if peer in self._peers else None
             try:
                 state = self._agent.transfer(handle)
             except BaseException as exc:
-                self._remotes.note_failure(peer, exc)
+                self._remotes.note_failure(name, exc)
                 self._finish(peer, handle, counted)
                 raise
             state, failure = settle_at_post(self._agent, handle, state)
             if state == "PROC" and failure is None:
                 return Posted(handle, counted, state)  # the event loop polls it, and releases it
             if failure is not None or state != "DONE":
-                self._remotes.note_failure(peer, failure if failure is not None else _ended(state))
+                self._remotes.note_failure(name, failure if failure is not None else _ended(state))
             self._finish(peer, handle, counted)
             return Posted(None, None, state, failure)
 
@@ -329,7 +332,7 @@ class NixlBackend(Backend):
             posted = await asyncio.shield(posting)
         except asyncio.CancelledError:
             # The post runs to its end on the NIXL thread; what it started is released there.
-            posting.add_done_callback(lambda f: f.cancelled() or f.exception() or self._finish_later(peer, f))
+            posting.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self._finish_later(peer, f))
             raise
         except Exception as exc:  # nixl raises its own error types for refused descriptors
             raise _failed("NIXL refused the transfer", exc) from exc
@@ -348,7 +351,7 @@ class NixlBackend(Backend):
                 raise TimeoutError(f"NIXL transfer still in progress after {timeout:.3f}s ({ended})")
             if state != "DONE":
                 failed = _ended(state)
-                await self._call(self._remotes.note_failure, peer, failed)
+                await self._call(self._remotes.note_failure, name, failed)
                 raise failed
         finally:
             await asyncio.shield(self._call(self._finish, peer, handle, counted))
@@ -363,11 +366,11 @@ class NixlBackend(Backend):
             try:
                 state = await self._call(self._agent.check_xfer_state, handle)
             except Exception as exc:  # e.g. nixlRemoteDisconnectError: the receiver went mid-write
-                await self._call(self._remotes.note_failure, peer, exc)
+                await self._call(self._remotes.note_failure, _remote_agent(peer), exc)
                 raise _failed("NIXL failed the transfer while it ran", exc) from exc
         return state
 
-    def _finish_later(self, peer: object, posting: asyncio.Future) -> None:
+    def _finish_later(self, peer: object, posting: asyncio.Future[Posted]) -> None:
         posted = posting.result()
         if posted.handle is None:  # released on the NIXL thread already
             return
@@ -386,6 +389,11 @@ class NixlBackend(Backend):
         self._executor.shutdown(wait=True)
 
 
+def _remote_agent(peer: object) -> bytes:
+    """A peer handle as `connect` returned it: the name NIXL gave the loaded remote agent."""
+    return cast(bytes, peer)
+
+
 def new_agent(nixl_agent, nixl_agent_config, name: str):
     """A UCX agent whose progress thread sleeps in poll() between events.
 
@@ -396,7 +404,7 @@ def new_agent(nixl_agent, nixl_agent_config, name: str):
     """
     bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
     native = getattr(bindings, "nixlAgent", None)
-    if native is None:
+    if bindings is None or native is None:
         log.warning("NIXL bindings without nixlAgent: the progress thread keeps NIXL's zero poll timeout")
         return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 

@@ -44,6 +44,8 @@ def torch_build_without_cuda() -> bool:
     except (OSError, SyntaxError, ValueError):
         return False
     for node in tree.body:
+        target: ast.expr
+        value: ast.expr | None
         if isinstance(node, ast.AnnAssign):
             target, value = node.target, node.value
         elif isinstance(node, ast.Assign) and len(node.targets) == 1:

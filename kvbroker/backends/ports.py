@@ -107,4 +107,6 @@ def _addresses(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]
         infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
     except OSError:
         return []
-    return [ipaddress.ip_address(info[4][0].partition("%")[0]) for info in infos]
+    # A sockaddr's host is a str; only a Python built without IPv6 gives AF_INET6's as (int, bytes).
+    hosts = [info[4][0] for info in infos]
+    return [ipaddress.ip_address(h.partition("%")[0]) for h in hosts if isinstance(h, str)]

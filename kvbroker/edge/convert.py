@@ -32,6 +32,7 @@ from kvbroker.peers.wire import (  # noqa: F401  re-exported for the servicers
     engine_layout_in,
     engine_layout_out,
     enum_in,
+    enum_out,
     grant_offer_in,
     grant_offer_out,
     grant_pages_in,
@@ -80,7 +81,7 @@ def _broker_allocation_in(req: bpb.RegisterEngineRequest) -> BrokerAllocation | 
     raise invalid(f"memory_ownership: MEMORY_OWNERSHIP_{ownership} is not a known value")
 
 
-def memory_ownership_out(spec: EngineSpec) -> int:
+def memory_ownership_out(spec: EngineSpec) -> bpb.MemoryOwnership:
     return bpb.MEMORY_OWNERSHIP_SERVER if spec.broker_allocation is None else bpb.MEMORY_OWNERSHIP_BROKER
 
 
@@ -103,9 +104,10 @@ def engine_spec_in(req: bpb.RegisterEngineRequest) -> EngineSpec:
 
 def component_spec_out(c: ComponentSpec) -> pb.ComponentSpec:
     return pb.ComponentSpec(
-        component=int(c.kind), layout=int(c.layout), num_pages=c.num_pages,
-        layer_buffers=[pb.LayerBuffer(layer_id=b.layer_id, role=int(b.role), memory=_memory_out(b.memory),
-                                      length=b.length, item_len=b.item_len) for b in c.layer_buffers],
+        component=enum_out(c.kind, pb.Component), layout=enum_out(c.layout, pb.Layout), num_pages=c.num_pages,
+        layer_buffers=[pb.LayerBuffer(layer_id=b.layer_id, role=enum_out(b.role, pb.BufferRole),
+                                      memory=_memory_out(b.memory), length=b.length, item_len=b.item_len)
+                       for b in c.layer_buffers],
     )
 
 
@@ -115,9 +117,10 @@ def components_in(values, field_name: str = "components") -> tuple[Component, ..
 
 def status_out(s: TransferStatus) -> bpb.TransferStatus:
     return bpb.TransferStatus(
-        request_id=s.request_id, engine_id=s.engine_id, role=int(s.role), state=int(s.state), code=s.code,
-        reason=s.reason, pages=s.pages, runs=s.runs, bytes=s.bytes, truncated_pages=s.truncated_pages,
-        duration_us=s.duration_us, components=[int(c) for c in s.components], parts=s.parts, aux=s.aux,
+        request_id=s.request_id, engine_id=s.engine_id, role=enum_out(s.role, pb.TransferRole),
+        state=enum_out(s.state, pb.TransferState), code=s.code, reason=s.reason, pages=s.pages, runs=s.runs,
+        bytes=s.bytes, truncated_pages=s.truncated_pages, duration_us=s.duration_us,
+        components=[enum_out(c, pb.Component) for c in s.components], parts=s.parts, aux=s.aux,
     )
 
 

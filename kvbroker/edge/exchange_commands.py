@@ -81,7 +81,7 @@ class Commands:
         command_id = request.command_id
         task = self._tasks.spawn(self._run(request), f"exchange command {command_id}")
         self.in_flight[command_id] = task
-        task.add_done_callback(lambda _, cid=command_id, t=task: self._done(cid, t))
+        task.add_done_callback(lambda _: self._done(command_id, task))
         if request.WhichOneof("command") == "watch":
             self._watches.add(task)
         self._tell()

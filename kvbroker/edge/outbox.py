@@ -25,9 +25,9 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
@@ -269,13 +269,18 @@ def end_stalled(context, error: BrokerError) -> None:
 async def gone(context, timeout: float = GONE_WAIT_S) -> None:
     """After a write failed: wait (bounded) for grpc to cancel the handler, as it does for a client that
     went, so that the handler ends as a cancellation rather than returning into a call that is over."""
-    done = asyncio.get_running_loop().create_future()
-    context.add_done_callback(lambda _: done.done() or done.set_result(None))
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def call_done(_: object) -> None:
+        if not done.done():
+            done.set_result(None)
+
+    context.add_done_callback(call_done)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(done, timeout)
 
 
-async def serve(context, bounds: StreamBounds, stream: str, pump: Callable[[Outbox], Awaitable[None]],
+async def serve(context, bounds: StreamBounds, stream: str, pump: Callable[[Outbox], Coroutine[Any, Any, None]],
                 observer: StreamObserver | None = None) -> None:
     """Run `pump(outbox)` (it puts the stream's replies) until it returns and its replies are written,
     or the outbox ends: then stop the pump, and end a stalled stream RESOURCE_EXHAUSTED. An exception
@@ -286,8 +291,8 @@ async def serve(context, bounds: StreamBounds, stream: str, pump: Callable[[Outb
     ended = asyncio.ensure_future(outbox.ended.wait())
     try:
         await asyncio.wait([work, ended], return_when=asyncio.FIRST_COMPLETED)
-        if work.done() and not isinstance(work.exception(), Ended | None):
-            raise work.exception()  # type: ignore[misc]
+        if work.done() and not isinstance(failure := work.exception(), Ended | None):
+            raise failure
         if work.done() and outbox.end is None:
             await outbox.flush(bounds.stall_s)  # its last replies go out before the call ends
     finally:

@@ -31,6 +31,7 @@ from kvbroker.flows.broker import Broker
 from kvbroker.flows.registry import unknown_engine
 from kvbroker.peers.notifier import MAX_BATCH
 from kvbroker_client.codes import code_number
+from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
@@ -91,7 +92,7 @@ class PeerServicer(ppb_grpc.PeerServiceServicer):
             identity, request.engine_id, request.request_id, request.claim_token, succeeded=request.succeeded,
             code=request.code, reason=request.reason, pages=request.pages, runs=request.runs,
         )  # its bytes and truncated_pages are not read: the receiver counts its own (Receiver.complete)
-        return ppb.CompleteTransferResponse(state=int(state))
+        return ppb.CompleteTransferResponse(state=convert.enum_out(state, pb.TransferState))
 
     @translate_errors
     async def OfferGrant(self, request: ppb.OfferGrantRequest, context) -> ppb.OfferGrantResponse:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -267,7 +267,7 @@ class Broker:
         return await self.part_sender.send_part(cmd, timeout)
 
     async def watch(self, engine_id: str, request_id: str, *, states_only: bool = False, terminal_only: bool = False,
-                    offer_wait_s: float = 0.0) -> AsyncIterator[TransferStatus]:
+                    offer_wait_s: float = 0.0) -> AsyncGenerator[TransferStatus, None]:
         """NOT_FOUND before the stream starts, unless the offer lands within `offer_wait_s` (OfferIntake.held)."""
         await self.offers.held(engine_id, request_id, offer_wait_s)
         return self.table.watch(engine_id, request_id, states_only=states_only, terminal_only=terminal_only)

@@ -34,7 +34,7 @@ import logging
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -286,7 +286,7 @@ class TransferTable:
         return Grant(granted, record.claim_token, self.remaining_s(record))
 
     def watch(self, engine_id: str, request_id: str, *, states_only: bool = False,
-              terminal_only: bool = False) -> AsyncIterator[TransferStatus]:
+              terminal_only: bool = False) -> AsyncGenerator[TransferStatus, None]:
         """The current state, then each change of state or (unless `states_only`) parts, to the end; or the end only."""
         return _statuses(self.get(engine_id, request_id), states_only, terminal_only)
 
@@ -323,7 +323,8 @@ def _cancel_timer(record: GrantRecord) -> None:
         record.timer = None
 
 
-async def _statuses(record: TransferRecord, states_only: bool, terminal_only: bool) -> AsyncIterator[TransferStatus]:
+async def _statuses(record: TransferRecord, states_only: bool,
+                    terminal_only: bool) -> AsyncGenerator[TransferStatus, None]:
     queue = Watcher()
     record.watchers.add(queue)
     try:

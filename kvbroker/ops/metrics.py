@@ -149,6 +149,7 @@ class Metrics:
             for kind in record.components:
                 self.transfers_started.labels(role, kind.name).inc()
         elif record.state is TransferState.TRANSFERRING:
+            assert record.transferring_at is not None  # set as it entered TRANSFERRING
             self.queue_wait.labels(role).observe(record.transferring_at - record.started)
         elif record.state is TransferState.SUCCEEDED:
             page_bytes = self._page_bytes.get(record.engine_id, {})
@@ -164,6 +165,7 @@ class Metrics:
             for kind in record.components:
                 self.transfers_failed.labels(role, kind.name, code).inc()
         if record.state.terminal:
+            assert record.finished is not None  # set as it ended
             self.duration.labels(role, record.state.name.lower()).observe(record.finished - record.started)
 
     def peer_handshake(self, *, epoch_changed: bool) -> None:

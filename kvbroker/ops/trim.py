@@ -65,6 +65,7 @@ class TrimPolicy:
     def due(self, now: float) -> float | None:
         """At a look: None to trim now (a trim begins; the requests noted so far are its), else when to
         look again."""
+        assert self._first is not None, "a look is asked for only while a big request waits (note)"
         quiet_at = self._last + self._interval_s
         longest_at = self._first + self._max_wait_s
         if now < quiet_at and now < longest_at:

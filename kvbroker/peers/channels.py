@@ -19,7 +19,7 @@ from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 class PeerChannels:
     def __init__(self, options: Sequence[tuple[str, object]],
                  credentials: Callable[[], tuple[int, grpc.ChannelCredentials]] | None, grace_s: float,
-                 track: Callable[[asyncio.Task], None]) -> None:
+                 track: Callable[[asyncio.Task], object]) -> None:
         self._options = list(options)
         self._credentials = credentials  # the current TLS credentials and their generation (tls.PeerTls)
         self.grace_s = grace_s

@@ -47,6 +47,7 @@ from kvbroker.peers.notice_stream import NoticeStreams
 from kvbroker.peers.notifier import Notifier
 from kvbroker.peers.vouch import TLS_FAILURE, Vouch, closed_under
 from kvbroker.peers.wire import from_rpc_error
+from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 
 log = logging.getLogger("kvbroker.peer")  # the name peer.py logged under, kept for the log lines
@@ -203,7 +204,8 @@ class PeerClients:
         try:
             handle = await asyncio.shield(connecting)  # a connect made is always given back
         except asyncio.CancelledError:
-            connecting.add_done_callback(lambda f: f.cancelled() or f.exception() or self._disconnect([f.result()]))
+            connecting.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() else self._disconnect([f.result()]))
             raise
         except TransferFailed as exc:
             raise BrokerError(Code.ABORTED, f"peer broker {address}: transfer engine {self._backend.name} "
@@ -234,7 +236,7 @@ class PeerClients:
                     dst_page_ids: np.ndarray, timeout: float) -> ClaimResult:
         request = ppb.ClaimGrantRequest(broker_id=self._broker_id, epoch=self._epoch,
                                         engine_id=session.engine.engine_id, request_id=request_id,
-                                        components=[int(c) for c in components],
+                                        components=[wire.enum_out(c, pb.Component) for c in components],
                                         dst_page_ids=dst_page_ids.tolist())
         reply = await self._rpc(session.address, "ClaimGrant", request, timeout)
         grant = Grant(wire.page_ids_in(reply.dst_page_ids), reply.claim_token, reply.remaining_ms / 1000)

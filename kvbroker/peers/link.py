@@ -24,14 +24,18 @@ class ReplyBounds(Protocol):
     """The bounds a peer's answer is held to before anything is built from it (edge/admission.py's
     RequestLimits, handed in by server.py: the peer port's message limit and its list bounds)."""
 
-    port_bytes: int
-    notice_bytes: int
+    @property
+    def port_bytes(self) -> int: ...
+
+    @property
+    def notice_bytes(self) -> int: ...
 
     def check_lists(self, request: Message) -> Refused | None: ...
 
 
 class Refused(Protocol):
-    message: str
+    @property
+    def message(self) -> str: ...
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,8 @@ class NoticeStreams:
                 if exc.code() is grpc.StatusCode.UNAVAILABLE:
                     self._silent(address)
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
+            task = asyncio.current_task()  # this coroutine's: never None here
+            if task is not None and task.cancelling():
                 self._settle(stream, BrokerError(Code.UNAVAILABLE, "broker is shutting down"))
                 raise
             failure = BrokerError(Code.UNAVAILABLE, f"peer broker {address}: its notice stream was closed")

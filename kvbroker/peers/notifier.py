@@ -16,6 +16,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from kvbroker.core.errors import BrokerError, Code
 from kvbroker.core.tasks import OwnedTasks
@@ -26,47 +27,49 @@ WINDOW = 4  # NotifyParts calls in flight per peer
 MAX_BATCH = 1024  # notices per call (the peer API's bound)
 NOTICE_OVERHEAD = 256  # bytes a notice takes on the wire besides its aux payload, at most (ids, token, landed)
 
+N = TypeVar("N")  # a notice
+A = TypeVar("A")  # its ack
 # rpc(address, notices, timeout) -> one ack per notice, in order
-SendNotices = Callable[[str, Sequence[object], float], Awaitable[Sequence[object]]]
+SendNotices = Callable[[str, Sequence[N], float], Awaitable[Sequence[A]]]
 
 
 @dataclass
-class _Peer:
-    queue: deque[tuple[object, asyncio.Future]] = field(default_factory=deque)
+class _Peer(Generic[N, A]):
+    queue: deque[tuple[N, asyncio.Future[A]]] = field(default_factory=deque)
     in_flight: int = 0
 
 
-class Notifier:
-    def __init__(self, send: SendNotices, *, timeout_s: float, window: int = WINDOW,
+class Notifier(Generic[N, A]):
+    def __init__(self, send: SendNotices[N, A], *, timeout_s: float, window: int = WINDOW,
                  max_batch: int = MAX_BATCH, max_batch_bytes: int = 1 << 62) -> None:
         self._send = send
         self._max_batch_bytes = max_batch_bytes
         self._timeout_s = timeout_s
         self._window = window
         self._max_batch = max_batch
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, _Peer[N, A]] = {}
         self._tasks = OwnedTasks()
         self._closed = False
         self.calls = 0  # NotifyParts calls made, for tests and the benchmark
         self.notices = 0
 
-    async def notify(self, address: str, notice: object) -> object:
+    async def notify(self, address: str, notice: N) -> A:
         """Send one notice to the broker at `address`; returns its ack. Raises the call's BrokerError."""
         if self._closed:
             raise BrokerError(Code.UNAVAILABLE, "broker is shutting down")
-        peer = self._peers.setdefault(address, _Peer())
-        future = asyncio.get_running_loop().create_future()
+        peer: _Peer[N, A] = self._peers.setdefault(address, _Peer())
+        future: asyncio.Future[A] = asyncio.get_running_loop().create_future()
         future.add_done_callback(_retrieved)  # a caller that went away leaves no unretrieved error
         peer.queue.append((notice, future))
         if peer.in_flight < self._window:
             self._start(address, peer)
         return await asyncio.shield(future)  # the notice is sent whatever becomes of this caller
 
-    def _start(self, address: str, peer: _Peer) -> None:
+    def _start(self, address: str, peer: _Peer[N, A]) -> None:
         peer.in_flight += 1
         self._tasks.spawn(self._drain(address, peer), f"notify {address}")
 
-    async def _drain(self, address: str, peer: _Peer) -> None:
+    async def _drain(self, address: str, peer: _Peer[N, A]) -> None:
         try:
             while peer.queue:
                 await self._call(address, self._take_batch(peer))
@@ -75,7 +78,7 @@ class Notifier:
             if not peer.in_flight and not peer.queue and self._peers.get(address) is peer:
                 del self._peers[address]
 
-    def _take_batch(self, peer: _Peer) -> list[tuple[object, asyncio.Future]]:
+    def _take_batch(self, peer: _Peer[N, A]) -> list[tuple[N, asyncio.Future[A]]]:
         """The next call's notices: at least one, then as many as fit both bounds."""
         batch = [peer.queue.popleft()]
         size = _size(batch[0][0])
@@ -87,7 +90,7 @@ class Notifier:
             size += more
         return batch
 
-    async def _call(self, address: str, batch: list[tuple[object, asyncio.Future]]) -> None:
+    async def _call(self, address: str, batch: list[tuple[N, asyncio.Future[A]]]) -> None:
         self.calls += 1
         self.notices += len(batch)
         try:

@@ -4,9 +4,9 @@ servicer (edge/peer_service.py, through edge/convert.py, which re-exports these)
 gRPC status back into a BrokerError (`from_rpc_error`).
 
 - `engine_layout_in`/`_out` (Handshake), `grant_offer_in`/`_out` (OfferGrant), `part_notice_in`/
-  `_out` and `part_ack_in`/`_out` (NotifyParts), with the shared pieces: `enum_in` (by number: the
-  domain's enums equal the proto's, tests/unit/test_enums.py), `page_ids_in`, `topology_in`/`_out`,
-  `grant_pages_in`/`_out`.
+  `_out` and `part_ack_in`/`_out` (NotifyParts), with the shared pieces: `enum_in`/`enum_out` (by
+  number: the domain's enums equal the proto's, tests/unit/test_enums.py), `page_ids_in`,
+  `topology_in`/`_out`, `grant_pages_in`/`_out`.
 Unknown enum values and missing fields become INVALID_ARGUMENT naming the field. Below the edge:
 the peer clients never import kvbroker.edge (tests/test_layers.py).
 """
@@ -14,7 +14,8 @@ the peer clients never import kvbroker.edge (tests/test_layers.py).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
+from enum import IntEnum
+from typing import TypeVar, cast
 
 import grpc
 import numpy as np
@@ -46,11 +47,12 @@ from kvbroker_client.codes import code_number
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_client.v1 import peer_service_pb2 as ppb
 
-_PREFIX = {Component: "COMPONENT_", Layout: "LAYOUT_", BufferRole: "BUFFER_ROLE_", KvDtype: "KV_DTYPE_",
-           MemoryKind: "MEMORY_KIND_"}
+_PREFIX: dict[type[IntEnum], str] = {Component: "COMPONENT_", Layout: "LAYOUT_", BufferRole: "BUFFER_ROLE_",
+                                     KvDtype: "KV_DTYPE_", MemoryKind: "MEMORY_KIND_"}
 
 
-E = TypeVar("E")
+E = TypeVar("E", bound=IntEnum)
+W = TypeVar("W", bound=int)
 
 
 def enum_in(kind: type[E], value: int, field_name: str) -> E:
@@ -59,6 +61,13 @@ def enum_in(kind: type[E], value: int, field_name: str) -> E:
     except ValueError:
         raise invalid(f"{field_name}: {_PREFIX.get(kind, '')}{value} is not a known value "
                       f"(0 is UNSPECIFIED and never valid)") from None
+
+
+def enum_out(value: int, wire: type[W]) -> W:
+    """A domain enum's value as a message's enum field takes it: its number. `wire` (e.g. pb.Component)
+    names the field's type only: the generated stubs type the field as the proto enum's class, which
+    at run time is a wrapper around plain ints."""
+    return cast(W, int(value))
 
 
 def page_ids_in(values) -> np.ndarray:
@@ -74,7 +83,7 @@ def topology_out(t: Topology) -> pb.Topology:
     return pb.Topology(tp_size=t.tp_size, tp_rank=t.tp_rank, attn_tp_size=t.attn_tp_size,
                        attn_tp_rank=t.attn_tp_rank, pp_size=t.pp_size, pp_rank=t.pp_rank, dp_rank=t.dp_rank,
                        page_size=t.page_size, start_layer=t.start_layer, end_layer=t.end_layer,
-                       kv_dtype=int(t.kv_dtype))
+                       kv_dtype=enum_out(t.kv_dtype, pb.KvDtype))
 
 
 def engine_layout_out(layout: EngineLayout) -> ppb.PeerEngine:
@@ -82,10 +91,12 @@ def engine_layout_out(layout: EngineLayout) -> ppb.PeerEngine:
         engine_id=layout.engine_id, topology=topology_out(layout.topology),
         components=[
             ppb.PeerComponent(
-                component=int(c.kind), layout=int(c.layout), num_pages=c.num_pages,
-                layer_buffers=[ppb.PeerLayerBuffer(layer_id=b.layer_id, role=int(b.role), address=b.address,
-                                                   length=b.length, item_len=b.item_len, device=b.device,
-                                                   memory_kind=int(b.memory_kind))
+                component=enum_out(c.kind, pb.Component), layout=enum_out(c.layout, pb.Layout),
+                num_pages=c.num_pages,
+                layer_buffers=[ppb.PeerLayerBuffer(layer_id=b.layer_id, role=enum_out(b.role, pb.BufferRole),
+                                                   address=b.address, length=b.length, item_len=b.item_len,
+                                                   device=b.device,
+                                                   memory_kind=enum_out(b.memory_kind, pb.MemoryKind))
                                for b in c.buffers],
             )
             for c in layout.components.values()
@@ -125,7 +136,7 @@ def grant_pages_in(values, field_name: str = "pages") -> list[tuple[Component, n
 def grant_pages_out(granted: dict[Component, np.ndarray],
                     src_offsets: Mapping[Component, int] | None = None) -> list[pb.ComponentPages]:
     offsets = src_offsets or {}
-    return [pb.ComponentPages(component=int(k), page_ids=v.tolist(), src_offset=offsets.get(k, 0))
+    return [pb.ComponentPages(component=enum_out(k, pb.Component), page_ids=v.tolist(), src_offset=offsets.get(k, 0))
             for k, v in granted.items()]
 
 
@@ -166,7 +177,8 @@ def part_notice_out(n: PartNotice) -> ppb.PartNotice:
     return ppb.PartNotice(
         engine_id=n.engine_id, request_id=n.request_id, offer_token=n.token, part=n.part,
         parts_total=n.parts_total, succeeded=n.succeeded, code=n.code, reason=clip(n.reason),
-        landed=[ppb.PartLanded(component=int(x.kind), dst_offset=x.dst_offset, pages=x.pages) for x in n.landed],
+        landed=[ppb.PartLanded(component=enum_out(x.kind, pb.Component), dst_offset=x.dst_offset, pages=x.pages)
+                for x in n.landed],
         aux=n.aux,
     )
 
@@ -179,7 +191,8 @@ def part_notice_in(n: ppb.PartNotice, field_name: str) -> PartNotice:
 
 
 def part_ack_out(ack: PartAck) -> ppb.PartAck:
-    return ppb.PartAck(state=0 if ack.state is None else int(ack.state), code=ack.code, reason=ack.reason)
+    state = pb.TRANSFER_STATE_UNSPECIFIED if ack.state is None else enum_out(ack.state, pb.TransferState)
+    return ppb.PartAck(state=state, code=ack.code, reason=ack.reason)
 
 
 def completion_state_in(state: int, address: str) -> TransferState:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -97,7 +97,8 @@ class Exchange:
         """A bare message and its answer (the stream's own cost)."""
         await self.command("ping", bpb.ExchangePing(payload=payload), timeout)
 
-    async def watch(self, request: bpb.WatchTransferRequest, timeout: float) -> AsyncIterator[bpb.TransferStatus]:
+    async def watch(self, request: bpb.WatchTransferRequest,
+                    timeout: float) -> AsyncGenerator[bpb.TransferStatus, None]:
         """The request's statuses on this stream, until a terminal one; StreamBroken if it breaks first."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -132,7 +133,7 @@ class Exchange:
     def _abandon(self, call: grpc.aio.StreamStreamCall, command_id: int) -> None:
         """The caller left command `command_id` before its last reply: cancel it on the broker, from a task
         of this Exchange (a caller may leave from a finally, a generator's close, or a cancellation)."""
-        if call is not self._call or call.done():
+        if self._call is None or call is not self._call or call.done():
             return  # the stream it went on is gone, and the broker ended its commands with it
         task = asyncio.get_running_loop().create_task(self._cancel(call, command_id),
                                                       name=f"kvbroker exchange cancel {command_id}")

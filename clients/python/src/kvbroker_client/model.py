@@ -7,6 +7,7 @@ dataclasses stand for the messages a server builds or reads, each with `to_proto
 
 from __future__ import annotations
 
+import builtins
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -127,7 +128,7 @@ class LayerBuffer:
         return self.length // self.item_len
 
     def to_proto(self) -> pb.LayerBuffer:
-        return pb.LayerBuffer(layer_id=self.layer_id, role=int(self.role),
+        return pb.LayerBuffer(layer_id=self.layer_id, role=self.role.value,
                               memory=None if self.memory is None else self.memory.to_proto(),
                               length=self.length, item_len=self.item_len)
 
@@ -146,7 +147,7 @@ class ComponentSpec:
     layer_buffers: tuple[LayerBuffer, ...]
 
     def to_proto(self) -> pb.ComponentSpec:
-        return pb.ComponentSpec(component=int(self.component), layout=int(self.layout), num_pages=self.num_pages,
+        return pb.ComponentSpec(component=self.component.value, layout=self.layout.value, num_pages=self.num_pages,
                                 layer_buffers=[b.to_proto() for b in self.layer_buffers])
 
     @classmethod
@@ -182,7 +183,7 @@ class Topology:
         return pb.Topology(tp_size=self.tp_size, tp_rank=self.tp_rank, attn_tp_size=self.attn_tp_size,
                            attn_tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
                            dp_rank=self.dp_rank, page_size=self.page_size, start_layer=self.start_layer,
-                           end_layer=self.end_layer, kv_dtype=int(self.kv_dtype))
+                           end_layer=self.end_layer, kv_dtype=self.kv_dtype.value)
 
     @classmethod
     def from_proto(cls, m: pb.Topology) -> Topology:
@@ -275,7 +276,8 @@ class TransferStatus:
     truncated_pages: int  # dropped because the page lists differed in length
     duration_us: int
     components: tuple[Component, ...]
-    aux: bytes = b""  # receiver, SUCCEEDED only: the aux payload of the sender's last part
+    # builtins.bytes: the field `bytes` above shadows the type inside this class
+    aux: builtins.bytes = b""  # receiver, SUCCEEDED only: the aux payload of the sender's last part
     parts: int = 0  # parts landed so far (the offered flow)
 
     @classmethod

@@ -37,14 +37,21 @@ class SharedSegment:
             self._mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._array: np.ndarray | None = np.frombuffer(self._mmap, dtype=np.uint8)
+
+    @property
+    def array(self) -> np.ndarray:
+        """A uint8 view of the whole segment, while it is open."""
+        if self._array is None:
+            raise ValueError(f"shared-memory segment {self.name} is closed")
+        return self._array
 
     @classmethod
     def create(cls, size: int, prefix: str = "kvbroker") -> SharedSegment:
         return cls(f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}", size)
 
     def close(self) -> None:
-        self.array = None  # release the buffer export before unmapping
+        self._array = None  # release the buffer export before unmapping
         self._mmap.close()
 
     def unlink(self) -> None:

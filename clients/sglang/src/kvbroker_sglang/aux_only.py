@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 from sglang.srt.disaggregation.base.conn import KVPoll
@@ -28,7 +30,51 @@ from sglang.srt.utils.network import NetworkAddress
 
 from kvbroker_sglang.wire import Outcome
 
+if TYPE_CHECKING:
+    from kvbroker_client.adapter import EngineLink
+
 log = logging.getLogger(__name__)
+
+
+class _DecodeRoom(Protocol):  # decode.DecodeRoom
+    aux_index: int | None
+    aux_only: bool
+
+
+class _PrefillRoom(Protocol):  # prefill.PrefillRoom
+    aux_only: bool
+    endpoint: str
+    told: bool
+
+
+class _Manager(Protocol):
+    """What the mixins use of the manager they are mixed into (KvbrokerKVManager, SGLang's CommonKVManager)."""
+
+    @property
+    def link(self) -> EngineLink | None: ...
+
+    @property
+    def request_status(self) -> dict[int, Any]: ...  # SGLang's: room -> KVPoll
+
+    def fail(self, room: int, reason: str, code: Any = None) -> None: ...
+
+    def update_status(self, bootstrap_room: int, status: KVPoll) -> None: ...
+
+
+class _DecodeManager(_Manager, Protocol):  # decode.DecodeKVManager
+    @property
+    def _rooms(self) -> Mapping[int, _DecodeRoom]: ...
+
+    def room(self, room: int) -> _DecodeRoom: ...
+
+    def land_aux(self, room: int, aux: bytes) -> bool: ...
+
+
+class _PrefillManager(_Manager, Protocol):  # prefill.PrefillKVManager
+    @property
+    def _rooms(self) -> Mapping[int, _PrefillRoom]: ...
+
+    def send_frames(self, address: NetworkAddress, frames: list[bytes]) -> None: ...
 
 
 def control_address(endpoint: str) -> NetworkAddress:
@@ -38,7 +84,8 @@ def control_address(endpoint: str) -> NetworkAddress:
 
 
 class AuxOnlyDecode:
-    def expect_aux_only(self, receiver, deliveries: list[tuple[dict, list[bytes]]], aux_index: int | None) -> None:
+    def expect_aux_only(self: _DecodeManager, receiver, deliveries: list[tuple[dict, list[bytes]]],
+                        aux_index: int | None) -> None:
         """No grant: the metadata frames go to prefill as they are; its Outcome ends the room."""
         room = receiver.bootstrap_room
         state = self.room(room)
@@ -52,9 +99,11 @@ class AuxOnlyDecode:
                     self.fail(room, f"metadata to prefill {info.get('rank_ip')}:{info.get('rank_port')} failed: {exc}")
                     return
 
-        self.link.spawn(push(), name=f"aux-only metadata {room}")
+        link = self.link
+        assert link is not None, "the link is not open"  # it opens with the manager
+        link.spawn(push(), name=f"aux-only metadata {room}")
 
-    def on_outcome(self, outcome: Outcome) -> None:
+    def on_outcome(self: _DecodeManager, outcome: Outcome) -> None:
         room = outcome.room
         state = self._rooms.get(room)
         if state is None or not state.aux_only or self.request_status.get(room) in (None, KVPoll.Failed):
@@ -67,11 +116,12 @@ class AuxOnlyDecode:
 
 
 class AuxOnlyPrefill:
-    def tell_decode(self, room: int, outcome: Outcome) -> None:
+    def tell_decode(self: _PrefillManager, room: int, outcome: Outcome) -> None:
         """Push `outcome` to the decode rank of an aux-only room, once; on the loop (ZMQ's send may block).
         Success is SGLang's once the frame is out, as Mooncake's is once its aux went."""
         state = self._rooms.get(room)
-        if state is None or not state.aux_only or state.told or self.link is None:
+        link = self.link
+        if state is None or not state.aux_only or state.told or link is None:
             return
         state.told = True
         address = control_address(state.endpoint)
@@ -85,4 +135,4 @@ class AuxOnlyPrefill:
             if not outcome.failure:
                 self.update_status(room, KVPoll.Success)
 
-        self.link.spawn(push(), name=f"outcome {room}")
+        link.spawn(push(), name=f"outcome {room}")

@@ -29,8 +29,8 @@ class KvbrokerKVBootstrapServer(BootstrapSurface, CommonKVBootstrapServer):
     async def route_get(self, request: web.Request, response):
         query = request.query
         try:
-            key = tuple(int(query[k]) for k in ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank",
-                                                "target_pp_rank"))
+            key = (int(query["prefill_dp_rank"]), int(query["prefill_cp_rank"]), int(query["target_tp_rank"]),
+                   int(query["target_pp_rank"]))
         except (KeyError, ValueError):
             return response
         if response.status != 200 or key[0] == -1:

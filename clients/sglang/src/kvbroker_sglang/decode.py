@@ -34,12 +34,12 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class DecodeRoom(Room):
+class DecodeRoom(Room[ReceivingRequest]):
     aux_index: int | None = None  # where this request's aux rows go
     aux_only: bool = False  # decode holds the whole prompt: no grant, the aux row comes as an Outcome frame
 
 
-class DecodeKVManager(AuxOnlyDecode, KvbrokerKVManager):
+class DecodeKVManager(AuxOnlyDecode, KvbrokerKVManager[DecodeRoom, ReceivingRequest]):
     room_class = DecodeRoom
 
     def __init__(self, *args, **kwargs) -> None:

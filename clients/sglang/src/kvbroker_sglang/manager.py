@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import zmq
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
@@ -35,6 +36,11 @@ from kvbroker_sglang.layout import engine_components, engine_topology
 from kvbroker_sglang.sglang_0_5_23 import ManagerSurface
 from kvbroker_sglang.wire import WireError
 
+if TYPE_CHECKING:  # mixed into CommonKVSender and CommonKVReceiver, which are untyped: Any to mypy
+    _SenderOrReceiver = Any
+else:
+    _SenderOrReceiver = object
+
 log = logging.getLogger(__name__)
 
 # SGLang's KVPoll for each phase the broker reports (FAILED goes through failure_records).
@@ -49,7 +55,7 @@ class KvbrokerTransferError(KVTransferError):
         self.code = code
 
 
-class BrokerFailure:
+class BrokerFailure(_SenderOrReceiver):
     """Mixed into the sender and the receiver: SGLang's failure, with the broker's code."""
 
     def failure_exception(self):
@@ -61,17 +67,24 @@ class BrokerFailure:
                                         is_from_another_rank=exc.is_from_another_rank) from None
 
 
+Q = TypeVar("Q", bound=Request)  # a role's request
+
+
 @dataclass
-class Room:
+class Room(Generic[Q]):
     """What the manager keeps of one request beside SGLang's request_status."""
 
-    request: Request
+    request: Q
     cleared: bool = False  # SGLang cleared the room while its cancel ran: forget it once that answers
     watched: bool = False  # the request's cancel reports back here (`_cancel_answered`)
 
 
-class KvbrokerKVManager(ManagerSurface, CommonKVManager):
-    """One SGLang rank's engine on its broker, and the requests it moves (see the module's map)."""
+R = TypeVar("R", bound="Room[Any]")  # a role's room
+
+
+class KvbrokerKVManager(ManagerSurface, CommonKVManager, Generic[R, Q]):
+    """One SGLang rank's engine on its broker, and the requests it moves (see the module's map).
+    Generic in its role's room and request (PrefillKVManager, DecodeKVManager)."""
 
     # Deferred decode KV release: the broker's cancel answering stands for the prefill's drain ACK.
     supports_deferred_decode_kv_release = True
@@ -87,7 +100,7 @@ class KvbrokerKVManager(ManagerSurface, CommonKVManager):
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args, is_mla_backend=False):
         self.settings = AdapterSettings.from_env()
         self.link: EngineLink | None = None
-        self._rooms: dict[int, Room] = {}
+        self._rooms: dict[int, R] = {}
         self._rooms_lock = threading.RLock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -125,7 +138,8 @@ class KvbrokerKVManager(ManagerSurface, CommonKVManager):
                                     "bytes read on the host; unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
         components = engine_components(self.kv_args, exporter.refs, is_mla=bool(self.is_mla_backend))
         parallel = get_parallel()
-        topology = engine_topology(self.kv_args, components, tp_size=getattr(parallel, "tp_size", self.attn_tp_size),
+        tp_size = parallel.tp_size if hasattr(parallel, "tp_size") else self.attn_tp_size
+        topology = engine_topology(self.kv_args, components, tp_size=tp_size,
                                    tp_rank=self.kv_args.engine_rank, attn_tp_size=self.attn_tp_size,
                                    attn_tp_rank=self.attn_tp_rank, pp_size=self.pp_size, pp_rank=self.pp_rank,
                                    dp_rank=self.system_dp_rank)
@@ -167,19 +181,19 @@ class KvbrokerKVManager(ManagerSurface, CommonKVManager):
         raise NotImplementedError
 
     # -- rooms: the core's request and SGLang's request_status ------------------------------------
-    def new_request(self, room: int) -> Request:
+    def new_request(self, room: int) -> Q:
         raise NotImplementedError
 
-    room_class = Room
+    room_class: type[R]  # each role's
 
-    def room(self, room: int) -> Room:
+    def room(self, room: int) -> R:
         with self._rooms_lock:
             state = self._rooms.get(room)
             if state is None:
                 state = self._rooms[room] = self.room_class(self.new_request(room))
             return state
 
-    def request_of(self, room: int) -> Request | None:
+    def request_of(self, room: int) -> Q | None:
         state = self._rooms.get(room)
         return None if state is None else state.request
 
@@ -219,7 +233,7 @@ class KvbrokerKVManager(ManagerSurface, CommonKVManager):
         request = self.request_of(room)
         if request is not None:
             request.fail(reason, code)  # on_request_change records it, if the request had not ended
-            if request.phase is Phase.FAILED:
+            if request.phase is Phase.FAILED and request.failure is not None:  # it has one once FAILED
                 self._record_failure(room, request.failure)
                 return
         self._record_failure(room, Failure(reason, code))

@@ -49,8 +49,8 @@ def extend_enum(cls: type[enum.Enum], name: str, value: str) -> enum.Enum:
         return cls[name]
     member = object.__new__(cls)
     member._name_, member._value_ = name, value
-    member.__objclass__ = cls
-    member._sort_order_ = len(cls._member_names_)
+    member.__objclass__ = cls  # type: ignore[attr-defined]  # a member's private fields, as EnumType sets them
+    member._sort_order_ = len(cls._member_names_)  # type: ignore[attr-defined]
     type.__setattr__(cls, name, member)
     cls._member_names_.append(name)
     cls._member_map_[name] = member

@@ -40,14 +40,14 @@ ENDED_EARLY_ROOMS = 4096
 
 
 @dataclass
-class PrefillRoom(Room):
+class PrefillRoom(Room[SendingRequest]):
     has_sender: bool = False  # SGLang made the room's KVSender (decode's frame may come first)
     aux_only: bool = False  # decode holds the whole prompt: no offer, the aux row goes as an Outcome frame
     endpoint: str = ""  # aux-only: decode's control address, where the Outcome goes
     told: bool = False  # aux-only: the Outcome went
 
 
-class PrefillKVManager(AuxOnlyPrefill, KvbrokerKVManager):
+class PrefillKVManager(AuxOnlyPrefill, KvbrokerKVManager[PrefillRoom, SendingRequest]):
     room_class = PrefillRoom
 
     def __init__(self, *args, **kwargs) -> None:

@@ -23,11 +23,20 @@ decode_kv_args_table, waiting_timeout, note_abort_ack, check_peer_aux_buffer_cou
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what each mixin is mixed into (SGLang is untyped: Any to mypy)
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer as _BootstrapServer
+    from sglang.srt.disaggregation.common.conn import CommonKVManager as _Manager
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver as _Receiver
+    from sglang.srt.disaggregation.common.conn import CommonKVSender as _Sender
+else:
+    _BootstrapServer = _Manager = _Receiver = _Sender = object
 
 VERSION = "0.5.23"
 
 
-class ManagerSurface:
+class ManagerSurface(_Manager):
     """Mixed into the KV managers before CommonKVManager."""
 
     def route_row(self, payload: dict) -> dict:
@@ -59,7 +68,7 @@ class ManagerSurface:
         return cached
 
 
-class ReceiverSurface:
+class ReceiverSurface(_Receiver):
     """Mixed into the KV receiver before CommonKVReceiver."""
 
     def after_abort_frames(self, generation) -> None:
@@ -76,7 +85,7 @@ class ReceiverSurface:
             sock.send_multipart(frames)
 
 
-class SenderSurface:
+class SenderSurface(_Sender):
     """Mixed into the KV sender before CommonKVSender."""
 
     def record_transfer_metric(self, total_bytes: int, succeeded_at: float | None) -> None:
@@ -92,7 +101,7 @@ class SenderSurface:
         return self._transfer_metric if self._transfer_metric.transfer_total_bytes is not None else None
 
 
-class BootstrapSurface:
+class BootstrapSurface(_BootstrapServer):
     """Mixed into the bootstrap server before CommonKVBootstrapServer."""
 
     async def route_put(self, data: dict, response):

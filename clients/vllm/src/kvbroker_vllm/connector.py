@@ -15,6 +15,7 @@ offer) and `grant_expiry_s`.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
@@ -38,8 +39,9 @@ class KvbrokerConnector(KVConnectorBase_V1):
             return
         extra = transfer.kv_connector_extra_config or {}
         settings = AdapterSettings.from_env()
-        settings = dataclasses.replace(settings, **{k: float(extra[k]) for k in ("hold_s", "grant_expiry_s")
-                                                    if extra.get(k) is not None})
+        overrides: dict[str, Any] = {k: float(extra[k]) for k in ("hold_s", "grant_expiry_s")
+                                     if extra.get(k) is not None}
+        settings = dataclasses.replace(settings, **overrides)
         parallel = vllm_config.parallel_config
         self.worker_side = WorkerSide(settings, role=transfer.kv_role.removeprefix("kv_"),
                                       kv_cache_config=kv_cache_config, block_size=block_size,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from kvbroker_client import BufferRole, Component, ComponentSpec, KvDtype, LayerBuffer, Layout, Topology
 from kvbroker_client.tensors import kv_dtype
@@ -83,7 +84,7 @@ def engine_components(kv_caches: Mapping[str, object], specs: Mapping[str, objec
     return components
 
 
-def engine_topology(components: Sequence[ComponentSpec], specs: Mapping[str, object], *, block_size: int,
+def engine_topology(components: Sequence[ComponentSpec], specs: Mapping[str, Any], *, block_size: int,
                     tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, dp_rank: int) -> Topology:
     layers = [b.layer_id for c in components for b in c.layer_buffers]
     dtypes = {str(spec.dtype) for spec in specs.values() if hasattr(spec, "dtype")}

@@ -96,13 +96,15 @@ class WorkerSide:
     def _send(self, send: SendSpec) -> None:
         request = SendingRequest(self.link, send.transfer_id)
         self._sending[send.request_id] = request
-        request.when_ended(lambda r, rid=send.request_id: self._ended(rid, r, self._sent))
+        rid = send.request_id
+        request.when_ended(lambda r: self._ended(rid, r, self._sent))
         request.send_when_offered(Part(self._pages(send.block_ids), last=True), self.settings.hold_s)
 
     def _grant(self, grant: GrantSpec) -> None:
         request = ReceivingRequest(self.link, grant.transfer.request_id)
         self._receiving[grant.request_id] = request
-        request.when_ended(lambda r, rid=grant.request_id: self._ended(rid, r, self._received))
+        rid = grant.request_id
+        request.when_ended(lambda r: self._ended(rid, r, self._received))
         sender = grant.transfer.rank(*self.ranks)
         if sender is None:
             request.fail(f"kvbroker: prefill has no rank pp{self.ranks[0]}/tp{self.ranks[1]} to send this decode "

@@ -78,6 +78,7 @@ class LoopThread:
 
     async def _owned(self, coro, *, name: str | None = None, log_errors: bool = False):
         task = asyncio.current_task()
+        assert task is not None  # a coroutine of this loop's, run as a task
         if name is not None:
             task.set_name(name)
         self._tasks.add(task)

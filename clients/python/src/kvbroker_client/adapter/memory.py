@@ -255,13 +255,13 @@ class MemoryExporter:
         if shm is not None:
             return shm
         if self._cuda is not None and (alloc := self._cuda.allocation(address)) is not None:
-            return self._cuda_ref(address, length, alloc, what)
+            return self._cuda_ref(self._cuda, address, length, alloc, what)
         gpu = "" if self._cuda is not None else " (this process has no CUDA driver, so it is not GPU memory either)"
         raise NotExportable(f"{what} at {address:#x} (+{length} bytes) is private host memory "
                             f"({self._host.explain(address)}){gpu}, which another process cannot open: "
                             f"{self._host_hint}")
 
-    def _cuda_ref(self, address: int, length: int, alloc: DeviceAllocation, what: str) -> CudaIpcRef:
+    def _cuda_ref(self, cuda: CudaDriver, address: int, length: int, alloc: DeviceAllocation, what: str) -> CudaIpcRef:
         if not alloc.ipc_capable:
             raise NotExportable(f"{what} at {address:#x} on GPU {alloc.device}: {_VMM_HINT}")
         end = alloc.base + alloc.size
@@ -270,7 +270,7 @@ class MemoryExporter:
                                 f"[{alloc.base:#x}, {end:#x})")
         key = (alloc.device, alloc.base)
         if key not in self._handles:
-            self._handles[key] = self._cuda.ipc_handle(alloc)
+            self._handles[key] = cuda.ipc_handle(alloc)
         return CudaIpcRef(self._handles[key], alloc.device, address - alloc.base, alloc.size)
 
     def is_device_memory(self, address: int) -> bool:

@@ -56,10 +56,14 @@ class ReceivingRequest(Request):
                                 expiry_s: float | None, src_offsets: dict[Component, int]) -> None:
         # Shielded: a cancel must not cut the call short (the broker may have made the grant
         # already); the cancel waits for it to end, then cancels what it made.
-        self._granting = asyncio.ensure_future(self.link.client.expect_transfer(
+        client = self.link.client
+        assert client is not None, "the link is not open"
+        # A dict display: BrokerClient's Mapping[ComponentLike, int] takes no dict[Component, int] (a
+        # Mapping's key type is invariant).
+        self._granting = asyncio.ensure_future(client.expect_transfer(
             self.link.engine_id, self.request_id, pages, sender_address=sender_address,
             sender_engine_id=sender_engine_id, expiry_s=expiry_s, timeout=self.link.settings.call_timeout_s,
-            src_offsets=src_offsets or None))
+            src_offsets={k: v for k, v in src_offsets.items()} or None))
         self._granting.add_done_callback(lambda f: f.cancelled() or f.exception())  # read here or below
         try:
             await asyncio.shield(self._granting)

@@ -100,6 +100,7 @@ class Request:
         """Watch the request on the broker until it ends (states only; with `terminal_only` the end
         only); watched again past a watch's deadline. `lost` names what NOT_FOUND means was lost."""
         client, settings = self.link.client, self.link.settings
+        assert client is not None, "the link is not open"
         while not self.phase.terminal:
             try:
                 async for status in client.watch(self.link.engine_id, self.request_id, states_only=True,
@@ -158,10 +159,11 @@ class Request:
         if follower is not None:
             follower.cancel()
         await self._before_cancel()
+        client = self.link.client
+        assert client is not None, "the link is not open"
         try:
-            status = await self.link.client.cancel(self.link.engine_id, self.request_id, reason[:512],
-                                                   timeout=self.link.settings.call_timeout_s,
-                                                   offer_wait_s=offer_wait_s)
+            status = await client.cancel(self.link.engine_id, self.request_id, reason[:512],
+                                         timeout=self.link.settings.call_timeout_s, offer_wait_s=offer_wait_s)
         except NotFound:  # never offered here, or gone: nothing writes into it
             if unknown_reason is not None:
                 self.fail(unknown_reason)
@@ -187,6 +189,12 @@ class Request:
     def cancelled(self) -> bool:
         """A cancel was started (it may have answered)."""
         return self._cancel is not None
+
+    @property
+    def holding(self) -> bool:
+        """A cancel is running and a write may still touch the engine's pages: each role says which
+        writes count (SendingRequest, ReceivingRequest)."""
+        raise NotImplementedError
 
     def when_ended(self, fn: Callable[[Request], None]) -> None:
         """Call `fn(request)` once, when the request is over on the broker's word: terminal, and its

@@ -113,8 +113,13 @@ class SendingRequest(Request):
             if part.ready is not None:  # the engine may still be writing these pages
                 await asyncio.to_thread(part.ready)
             try:
-                status = await self.link.client.transfer_part(
-                    self.link.engine_id, self.request_id, part.pages, dst_offsets=dict(part.dst_offsets),
+                client = self.link.client
+                assert client is not None, "the link is not open"
+                # Dict displays: BrokerClient's Mapping[ComponentLike, ...] parameters take no dict[Component, ...]
+                # (a Mapping's key type is invariant).
+                status = await client.transfer_part(
+                    self.link.engine_id, self.request_id, {k: v for k, v in part.pages.items()},
+                    dst_offsets={k: v for k, v in part.dst_offsets.items()},
                     last=part.last, aux=part.aux, receiver_broker_id=part.receiver_broker_id,
                     timeout=self.link.settings.call_timeout_s)
             except BrokerError as exc:
