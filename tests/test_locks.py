@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCKS = ROOT / "locks"
-LOCAL = {"kvbroker", "kvbroker-client", "kvbroker-sglang"}
+LOCAL = {"kvbroker", "kvbroker-client", "kvbroker-sglang", "kvbroker-tools"}
 
 
 def pins(text: str) -> dict[str, str]:

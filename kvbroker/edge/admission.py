@@ -109,7 +109,7 @@ class Admission(grpc.aio.ServerInterceptor):
             if isinstance(request, Message):
                 refusal = self.limits.check_lists(request)
                 if refusal is not None and commands:
-                    return dataclasses.replace(refusal, command_id=request.command_id)  # type: ignore[attr-defined]
+                    return dataclasses.replace(refusal, command_id=getattr(request, "command_id", None))
                 return refusal or request
             return request
 
@@ -224,18 +224,19 @@ class Admission(grpc.aio.ServerInterceptor):
     async def _read(self, method: str, context, *, one: bool):
         """The call's next request through PeerReads; a refused one aborts the call. With `one`, the
         call's only request: none at all is malformed."""
-        host = peer_host(context.peer())
+        host, reads = peer_host(context.peer()), self.reads
+        assert reads is not None  # only the peer port's calls are read through PeerReads
         try:
-            request = await self.reads.read(context, host)
+            request = await reads.read(context, host)
         except SlotTimeout:
             await self._refuse(Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request: not read within {self.reads.wait_s:g}s, behind {self.reads.waiting(host)} other calls of "
-                f"{host} (max_peer_reads={self.reads.reads}, max_reads_per_peer={self.reads.per_host})",
+                f"request: not read within {reads.wait_s:g}s, behind {reads.waiting(host)} other calls of "
+                f"{host} (max_peer_reads={reads.reads}, max_reads_per_peer={reads.per_host})",
                 "no_read_slot"), method, context)
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"request: not received within {self.reads.wait_s:g}s (peer_rpc_timeout_s)")
+                                f"request: not received within {reads.wait_s:g}s (peer_rpc_timeout_s)")
         if request is grpc.aio.EOF and one:
             # grpc core ends a call whose message is over the port's limit with its own status, and
             # the handler reads no message: that too is counted here, as a call without one.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -102,7 +102,8 @@ class Calls:
         finally:
             call.cancel()
 
-    async def _watch_exchanged(self, request: bpb.WatchTransferRequest, at: float) -> AsyncIterator[TransferStatus]:
+    async def _watch_exchanged(self, request: bpb.WatchTransferRequest,
+                               at: float) -> AsyncGenerator[TransferStatus, None]:
         """A watch on the Exchange stream; made again once on a new stream if this one breaks, so
         that the caller sees how the broker ended the request the broken stream carried."""
         assert self.exchange is not None

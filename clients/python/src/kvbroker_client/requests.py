@@ -34,8 +34,8 @@ def page_ids(ids: PageIds, field_name: str) -> list[int]:
     return array.astype(np.int64).tolist()
 
 
-def components_of(components: Iterable[ComponentLike]) -> list[int]:
-    return [int(Component.of(c)) for c in components]
+def components_of(components: Iterable[ComponentLike]) -> list[pb.Component]:
+    return [Component.of(c).value for c in components]
 
 
 def milliseconds(seconds: float) -> int:
@@ -69,7 +69,7 @@ def grant_request(engine_id: str, request_id: str, dst_pages: Mapping[ComponentL
         offsets = {Component.of(c): int(o) for c, o in (src_offsets or {}).items()}
         if stray := sorted(c.name for c in set(offsets) - {Component.of(c) for c in dst_pages}):
             raise InvalidArgument(f"src_offsets: {', '.join(stray)} not in dst_pages")
-        request.pages.extend(pb.ComponentPages(component=int(Component.of(c)),
+        request.pages.extend(pb.ComponentPages(component=Component.of(c).value,
                                                page_ids=page_ids(ids, f"dst_pages[{Component.of(c).name}]"),
                                                src_offset=offsets.get(Component.of(c), 0))
                              for c, ids in dst_pages.items())
@@ -91,7 +91,7 @@ def part_request(engine_id: str, request_id: str, src_pages: Mapping[ComponentLi
     return bpb.TransferRequest(
         request_id=request_id, engine_id=engine_id, more_parts=not last, aux=bytes(aux),
         receiver_broker_id=receiver_broker_id,
-        pages=[bpb.PartPages(component=int(Component.of(c)),
+        pages=[bpb.PartPages(component=Component.of(c).value,
                              src_page_ids=page_ids(ids, f"src_pages[{Component.of(c).name}]"),
                              dst_offset=offsets.get(Component.of(c), 0))
                for c, ids in src_pages.items()],
