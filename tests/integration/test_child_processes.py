@@ -152,3 +152,14 @@ async def test_an_engines_child_killed_by_a_signal_says_so_with_its_stderr_tail(
         await run_engines_in_child("tests.integration.test_child_processes", "die_by_sigsegv", "none", 60)
     message = str(died.value)
     assert "exited with signal SIGSEGV (-11)" in message and "Fatal Python error: Segmentation fault" in message
+
+
+async def test_a_brokers_log_goes_to_its_log_file_line_for_line(tmp_path):
+    """The serving stacks keep each broker's log beside the servers' (start_broker's log_file), so that a
+    failure can be read after the fact: every line it wrote, in order, and the file closed once it ended."""
+    broker = await start_broker("logged", "--backend", "mooncake", "--log-level", "DEBUG",
+                                log_file=tmp_path / "broker.log")
+    assert await broker.stop() == 0
+    written = (tmp_path / "broker.log").read_text().splitlines()
+    assert written and written == broker.stderr_lines[:len(written)]
+    assert any('"broker stopped"' in line for line in written), written[-3:]

@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -139,19 +140,29 @@ async def start_brokers(*starts: Awaitable[BrokerProcess]) -> list[BrokerProcess
     return list(started)
 
 
-async def _drain(stream: asyncio.StreamReader, sink: list[str], echo: bool) -> None:
-    while line := await stream.readline():
-        text = line.decode(errors="replace").rstrip()
-        sink.append(text)
-        if echo:
-            print(text, file=sys.stderr)
+async def _drain(stream: asyncio.StreamReader, sink: list[str], echo: bool, log_file: Path | None = None) -> None:
+    log = log_file.open("a", buffering=1) if log_file is not None else None  # noqa: ASYNC230  a local file
+    try:
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            sink.append(text)
+            if echo:
+                print(text, file=sys.stderr)
+            if log is not None:
+                log.write(text + "\n")
+    finally:
+        if log is not None:
+            log.close()
 
 
 async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", timeout: float = 60.0,
                        env: dict[str, str] | None = None, echo_logs: bool = False,
                        prefix: Sequence[str] = (),
-                       gate: Callable[[int], Awaitable[None]] | None = None) -> BrokerProcess:
+                       gate: Callable[[int], Awaitable[None]] | None = None,
+                       log_file: Path | None = None) -> BrokerProcess:
     """Start a broker bound to `host` on free ports; extra `args` are serve flags (later flags win).
+    With `log_file`, every line it logs is appended there too (the serving stacks keep it beside the
+    servers' logs, for a failure read after the fact).
 
     `prefix` runs the broker under another command (e.g. a network-namespace wrapper); with `gate`,
     that wrapper writes one line to stdout once it is set up (in its namespace, say), then reads one
@@ -186,7 +197,7 @@ async def start_broker(broker_id: str, *args: str, host: str = "127.0.0.1", time
         await process.stdin.drain()
         process.stdin.close()
     lines: list[str] = []
-    stderr_task = asyncio.create_task(_drain(process.stderr, lines, echo_logs))
+    stderr_task = asyncio.create_task(_drain(process.stderr, lines, echo_logs, log_file))
     try:
         while True:
             line = await asyncio.wait_for(process.stdout.readline(), timeout)

@@ -387,7 +387,7 @@ async def _start_broker(side: str, engine: str, log_dir: Path, listen: str | Non
         args += ["--listen", f"unix:{log_dir}/broker-{side}.sock"]
     # Traced brokers run with the site dir too: its sitecustomize installs the trace.
     env = {"PYTHONPATH": str(SITE)} if os.environ.get("KVBROKER_SERVING_TRACE") else None
-    return await start_broker(f"{side}-{engine}", *args, env=env)
+    return await start_broker(f"{side}-{engine}", *args, env=env, log_file=log_dir / f"broker-{side}.log")
 
 
 async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", engine: str = "nixl",

@@ -183,8 +183,10 @@ async def start_kvbroker_pd(model: Path, log_dir: Path, backend: str = "nixl", *
     (`extra`: its kv_connector_extra_config) behind vLLM's router; the brokers are the deployment's."""
     from kvbroker_tools.launch import start_broker, start_brokers
 
-    prefill, decode = await start_brokers(start_broker(f"vllm-prefill-{backend}", "--backend", backend),
-                                          start_broker(f"vllm-decode-{backend}", "--backend", backend))
+    log_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240  a local directory, at once
+    prefill, decode = await start_brokers(*(start_broker(f"vllm-{side}-{backend}", "--backend", backend,
+                                                         log_file=log_dir / f"broker-{side}.log")
+                                            for side in ("prefill", "decode")))
     connector = kvbroker_connector(prefill, decode, name=f"kvbroker-{backend}", **extra)
     return await start_pd(model, log_dir, connector, args=args, timeout=timeout,
                           brokers={"prefill": prefill, "decode": decode})
