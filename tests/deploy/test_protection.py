@@ -7,38 +7,12 @@ would take it, and validated against the Kubernetes schemas."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import kubernetes_validate
 import pytest
-import yaml
 
 from kvbroker.backends.transports import unprotected
 from kvbroker.config import Settings
-from tests.support.deploy import OVERLAYS, REPO, broker, literal_env, lowered, settings, tool
-
-COMPONENTS = REPO / "deploy" / "components"
-
-
-def render(tmp_path: Path, role: str, component: str | None) -> list[dict]:
-    """What `kubectl kustomize` renders for an overlay of the user's that takes the role (and the component)."""
-    import subprocess
-
-    def rel(path: Path) -> str:
-        return os.path.relpath(path, tmp_path)
-
-    overlay = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-               "resources": [rel(REPO / "deploy" / "overlays" / role)]}
-    if component:
-        overlay["components"] = [rel(COMPONENTS / component)]
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
-    done = subprocess.run([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-    for doc in docs:
-        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
-    return docs
+from tests.support.deploy import COMPONENTS, OVERLAYS, broker, literal_env, lowered, render_overlay, settings
 
 
 def pod_settings(docs: list[dict]) -> Settings:
@@ -59,14 +33,14 @@ def data_plane(docs: list[dict]) -> tuple[str, str, bool]:
 
 @pytest.mark.parametrize("role", OVERLAYS)
 def test_the_shipped_roles_run_protected_transports_only(tmp_path, role):
-    backend, ucx_tls, allowed = data_plane(render(tmp_path, role, None))
+    backend, ucx_tls, allowed = data_plane(render_overlay(tmp_path, role, None))
     assert (backend, allowed) == ("nixl", False)
     assert unprotected(backend, ucx_tls) == "", ucx_tls  # the broker would start, and no forged region writes
 
 
 @pytest.mark.parametrize("role", OVERLAYS)
 def test_nixl_over_tcp_is_an_explicit_component_that_says_what_it_gives_up(tmp_path, role):
-    backend, ucx_tls, allowed = data_plane(render(tmp_path, role, "nixl-tcp"))
+    backend, ucx_tls, allowed = data_plane(render_overlay(tmp_path, role, "nixl-tcp"))
     assert (backend, ucx_tls, allowed) == ("nixl", None, True)
     assert unprotected(backend, ucx_tls)  # what the broker warns about at start-up
     said = (COMPONENTS / "nixl-tcp" / "kustomization.yaml").read_text()
@@ -75,11 +49,11 @@ def test_nixl_over_tcp_is_an_explicit_component_that_says_what_it_gives_up(tmp_p
 
 @pytest.mark.parametrize("role", OVERLAYS)
 def test_mooncake_over_tcp_is_a_protected_component(tmp_path, role):
-    docs = render(tmp_path, role, "mooncake-tcp")
+    docs = render_overlay(tmp_path, role, "mooncake-tcp")
     backend, ucx_tls, allowed = data_plane(docs)
     assert (backend, allowed) == ("mooncake", False) and unprotected(backend, ucx_tls) == ""
     assert pod_settings(docs).mooncake_protocol == "tcp"
 
 
-def test_every_component_is_rendered_here():
-    assert sorted(p.name for p in COMPONENTS.iterdir()) == ["mooncake-tcp", "nixl-tcp"]
+def test_every_data_plane_component_is_rendered_here():
+    assert sorted(p.name for p in COMPONENTS.iterdir() if "tcp" in p.name) == ["mooncake-tcp", "nixl-tcp"]

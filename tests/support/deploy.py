@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -213,3 +215,29 @@ def without_rdma(env: dict[str, str]) -> dict[str, str]:
     components/nixl-tcp's (UCX_TLS unset, unprotected transports allowed; UCX takes tcp on loopback).
     The shipped data plane, NIXL on RDMA only, is tests/deploy/test_protection.py's."""
     return {**{k: v for k, v in env.items() if k != "UCX_TLS"}, "KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS": "true"}
+
+
+COMPONENTS = REPO / "deploy" / "components"
+CUSTOM_KINDS = {"LeaderWorkerSet"}  # custom resources the Kubernetes schemas lack: checked field by field
+
+
+def render_overlay(tmp_path: Path, role: str, component: str | None) -> list[dict]:
+    """What `kubectl kustomize` renders for an overlay of a user's that takes the role's overlay (and a
+    component of deploy/components), written in `tmp_path`; every object of the Kubernetes API valid
+    against its schema (strict, the newest version the validator knows)."""
+    def rel(path: Path) -> str:
+        return os.path.relpath(path, tmp_path)
+
+    overlay = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+               "resources": [rel(REPO / "deploy" / "overlays" / role)]}
+    if component:
+        overlay["components"] = [rel(COMPONENTS / component)]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    done = subprocess.run([tool("kubectl"), "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    for doc in docs:
+        if doc["kind"] not in CUSTOM_KINDS:
+            kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    return docs
