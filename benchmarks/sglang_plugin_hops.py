@@ -17,7 +17,7 @@ import statistics
 import time
 from collections import defaultdict
 
-from tests.support.cpu_torchvision import declare_torchvision_ops
+from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 

@@ -7,7 +7,6 @@ Everything runs on the session event loop (the broker processes' log readers liv
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator, Iterable
 
 import pytest
@@ -16,11 +15,6 @@ import pytest_asyncio
 from kvbroker_client import BrokerClient
 from kvbroker_tools.launch import start_broker, start_brokers
 from tests.support.pools import BROKER_FLAGS, BrokerPair, Brokers, Pools, connect, release
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-# Loopback has only UCX's tcp and shared memory, which a forged region writes through: allowed here
-# (tests/integration/test_data_plane.py starts brokers without it).
-os.environ.setdefault("KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS", "true")
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

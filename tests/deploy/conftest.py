@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.deploy import OVERLAYS, REPO, kustomize
+from tests.support.deploy import OVERLAYS, REPO_ROOT, kustomize
 
 
 @pytest.fixture(scope="session")
 def rendered() -> dict[str, list[dict]]:
     """Each overlay's manifests, as `kubectl kustomize deploy/overlays/<role>` prints them."""
-    return {role: kustomize(REPO / "deploy" / "overlays" / role) for role in OVERLAYS}
+    return {role: kustomize(REPO_ROOT / "deploy" / "overlays" / role) for role in OVERLAYS}
 
 
 @pytest.fixture(scope="session")
 def cert_manager() -> list[dict]:
     """deploy/cert-manager as kustomize renders it: the namespace's peer CA (cert-manager objects)."""
-    return kustomize(REPO / "deploy" / "cert-manager")
+    return kustomize(REPO_ROOT / "deploy" / "cert-manager")
 
 
 @pytest.fixture(params=OVERLAYS)

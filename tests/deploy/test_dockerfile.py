@@ -14,7 +14,7 @@ import zipfile
 import pytest
 
 from kvbroker.config import Settings
-from tests.support.deploy import REPO, build_context_files, dockerfile_instructions, env_of, tool
+from tests.support.deploy import REPO_ROOT, build_context_files, dockerfile_instructions, env_of, tool
 
 INSTRUCTIONS = dockerfile_instructions()
 FINAL_STAGE = max(i.stage for i in INSTRUCTIONS)
@@ -35,7 +35,7 @@ def only(keyword: str, instructions=FINAL):
 
 
 def test_hadolint_finds_nothing():
-    result = subprocess.run([tool("hadolint"), "--no-color", "Dockerfile"], cwd=REPO, capture_output=True,
+    result = subprocess.run([tool("hadolint"), "--no-color", "Dockerfile"], cwd=REPO_ROOT, capture_output=True,
                             text=True, timeout=60)
     assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
@@ -55,14 +55,14 @@ def test_flavor_is_a_build_arg_defaulting_to_cpu_that_picks_the_runtime_stage():
 
 
 def test_each_flavor_installs_its_lock_compiled_from_the_extras_pyproject_defines():
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     build = [i for i in INSTRUCTIONS if i.stage == stage_named("build") and i.keyword == "RUN"]
     install = next(i.args for i in build if "FLAVOR" in i.args)
     for flavor, extra in (("cpu", "[nixl,mooncake-cpu]"), ("cuda", "[nixl,mooncake]")):
         command = re.search(rf"{flavor}\)(.*?);;", install).group(1)
         assert f"-r locks/runtime-{flavor}.txt" in command and "--require-hashes" in command, flavor
         assert "--no-deps" in command, "a lock is installed as it is: nothing resolved at build time"
-        assert re.search(rf"^-e \.{re.escape(extra)}$", (REPO / "locks" / f"runtime-{flavor}.in").read_text(),
+        assert re.search(rf"^-e \.{re.escape(extra)}$", (REPO_ROOT / "locks" / f"runtime-{flavor}.in").read_text(),
                          re.MULTILINE), f"locks/runtime-{flavor}.in must compile the daemon with {extra}"
     assert {"nixl", "mooncake-cpu", "mooncake"} <= set(extras)
     assert re.search(r"\*\).*exit 1", install), "an unknown FLAVOR must fail the build"
@@ -129,7 +129,7 @@ def test_build_context_builds_both_packages(tmp_path):
     context = tmp_path / "src"
     for name in build_context_files():
         (context / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(REPO / name, context / name)
+        shutil.copy2(REPO_ROOT / name, context / name)
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                              "--wheel-dir", str(tmp_path / "wheels"), "./clients/python", "."],
                             cwd=context, capture_output=True, text=True, timeout=300)

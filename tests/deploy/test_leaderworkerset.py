@@ -9,7 +9,7 @@ from __future__ import annotations
 import kubernetes_validate
 import pytest
 
-from tests.support.deploy import OVERLAYS, REPO, broker, kustomize, literal_env, one, render_overlay, selects
+from tests.support.deploy import OVERLAYS, REPO_ROOT, broker, kustomize, literal_env, one, render_overlay, selects
 
 GROUP_ENV = {"NNODES": "$(LWS_GROUP_SIZE)", "NODE_RANK": "$(LWS_WORKER_INDEX)",
              "DIST_INIT_ADDR": "$(LWS_LEADER_ADDRESS):20000"}
@@ -22,7 +22,7 @@ def as_pod(template: dict) -> dict:
 @pytest.fixture(params=OVERLAYS)
 def rendered_pair(request, tmp_path):
     role = request.param
-    return role, kustomize(REPO / "deploy" / "overlays" / role), render_overlay(tmp_path, role, "leaderworkerset")
+    return role, kustomize(REPO_ROOT / "deploy" / "overlays" / role), render_overlay(tmp_path, role, "leaderworkerset")
 
 
 def test_the_role_becomes_one_leaderworkerset_of_groups_restarted_whole(rendered_pair):

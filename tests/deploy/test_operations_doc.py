@@ -16,9 +16,9 @@ import pytest
 
 from kvbroker.config import Settings
 from kvbroker.core.errors import Code
-from tests.support.deploy import REPO, tool
+from tests.support.deploy import REPO_ROOT, tool
 
-DOC = REPO / "README.md"
+DOC = REPO_ROOT / "README.md"
 FACTORIES = {"gethostname": "the host name"}
 
 
@@ -60,9 +60,9 @@ def test_settings_table_is_the_settings_object():
 
 
 def test_every_troubleshooting_message_is_one_the_broker_sends():
-    tracked = subprocess.run(["git", "ls-files", "kvbroker"], cwd=REPO, check=True, capture_output=True,
+    tracked = subprocess.run(["git", "ls-files", "kvbroker"], cwd=REPO_ROOT, check=True, capture_output=True,
                              text=True).stdout.split()
-    sources = "\n".join((REPO / name).read_text() for name in tracked if name.endswith(".py"))
+    sources = "\n".join((REPO_ROOT / name).read_text() for name in tracked if name.endswith(".py"))
     rows = table_rows(section("Troubleshooting"))
     assert len(rows) >= 15
     for code, message, *_ in rows:

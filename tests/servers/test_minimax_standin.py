@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.cpu_torchvision import declare_torchvision_ops
+from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 

@@ -2,7 +2,7 @@
 published as a scheduler process publishes it), real brokers, and SGLang ranks on them (built by
 tests/support/sglang_ranks.py).
 
-torchvision's op schemas are declared before anything imports sglang (tests/support/cpu_torchvision.py).
+torchvision's op schemas are declared before anything imports sglang (kvbroker_tools.serving.cpu_torchvision).
 """
 
 from __future__ import annotations
@@ -14,18 +14,13 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import pytest_asyncio
 
-from tests.support.cpu_torchvision import declare_torchvision_ops
+from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 
 from kvbroker_tools.launch import BrokerProcess, start_broker, start_brokers  # noqa: E402
 from tests.support import sglang_ranks as ranks  # noqa: E402
 from tests.support.sglang_ranks import BROKER_FLAGS, Ranks, broker_flags  # noqa: E402
-
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-# Loopback has only UCX's tcp and shared memory, which a forged region writes through: allowed here
-# (tests/integration/test_data_plane.py starts brokers without it).
-os.environ.setdefault("KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS", "true")
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,7 @@ def test_another_sglang_version_is_refused_by_name():
 
 
 def test_sglang_plugins_without_kvbroker_leaves_sglang_alone():
-    code = ("from tests.support.cpu_torchvision import declare_torchvision_ops; declare_torchvision_ops()\n"
+    code = ("from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops; declare_torchvision_ops()\n"
             "from sglang.srt.plugins import load_plugins; load_plugins()\n"
             "from sglang.srt.disaggregation.utils import TransferBackend\n"
             "print('kvbroker' in [b.value for b in TransferBackend])")

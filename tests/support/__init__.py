@@ -28,7 +28,6 @@ tests/client:
 tests/deploy:
     deploy           the Dockerfile, the build context and the rendered manifests, read
 tests/sglang (and benchmarks/sglang_plugin_hops.py):
-    cpu_torchvision  torchvision's op schemas on CPU torch, declared before sglang is imported
     sglang_ranks     SGLang's pools, KVArgs and runtime context on CPU; `Ranks`, its KV managers on brokers
     sglang_pair      one chunked request between a prefill and a decode rank, driven as the schedulers do
 tests/servers and tests/vllm (real servers, minutes):
@@ -36,3 +35,8 @@ tests/servers and tests/vllm (real servers, minutes):
     sglang_servers   SGLang PD deployments and the cases the Llama and MiniMax modules share
     vllm_servers     vLLM's reference answers, the connector's settings, `settled`, a broker restarted
 """
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the checkout: what tests read of it (deploy/, the proto, ...)
+

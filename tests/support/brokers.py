@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -24,9 +23,9 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
 from kvbroker_tools.launch import BrokerProcess, exit_report, start_broker, stop_all
+from tests.support import REPO_ROOT
 
 BACKENDS = ["nixl", "mooncake"]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = shapes.SMALL  # 3 dense + 4 sparse layers, 64 pages per buffer
 ALL = [pb.COMPONENT_MAIN_KV, pb.COMPONENT_MINIMAX_INDEX_K]

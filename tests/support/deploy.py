@@ -19,7 +19,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
 OVERLAYS = ("prefill", "decode")
 OTHER_ROLE = {"prefill": "decode", "decode": "prefill"}
 # Settings the manifests already carry for a change to the broker that has not landed: each with why.
@@ -50,7 +51,7 @@ class Instruction:
         return dict(re.findall(r"--([\w-]+)=(\S+)", self.args))
 
 
-def dockerfile_instructions(path: Path = REPO / "Dockerfile") -> list[Instruction]:
+def dockerfile_instructions(path: Path = REPO_ROOT / "Dockerfile") -> list[Instruction]:
     instructions: list[Instruction] = []
     stage = -1
     pending: list[str] = []
@@ -92,7 +93,7 @@ def _pattern_matches(pattern: list[str], path: list[str]) -> bool:
     return bool(path) and fnmatch.fnmatchcase(path[0], pattern[0]) and _pattern_matches(pattern[1:], path[1:])
 
 
-def dockerignore_rules(path: Path = REPO / ".dockerignore") -> list[tuple[bool, list[str]]]:
+def dockerignore_rules(path: Path = REPO_ROOT / ".dockerignore") -> list[tuple[bool, list[str]]]:
     rules = []
     for line in path.read_text().splitlines():
         line = line.strip()
@@ -117,10 +118,10 @@ def in_build_context(relative: str, rules: list[tuple[bool, list[str]]]) -> bool
 
 def build_context_files() -> list[str]:
     """The files of this checkout (tracked, or untracked and not git-ignored) that `docker build .` sends."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
                             check=True, capture_output=True, text=True).stdout.split("\n")
     rules = dockerignore_rules()
-    return sorted(f for f in listed if f and (REPO / f).is_file() and in_build_context(f, rules))
+    return sorted(f for f in listed if f and (REPO_ROOT / f).is_file() and in_build_context(f, rules))
 
 
 def tool(name: str) -> str:
@@ -217,7 +218,7 @@ def without_rdma(env: dict[str, str]) -> dict[str, str]:
     return {**{k: v for k, v in env.items() if k != "UCX_TLS"}, "KVBROKER_ALLOW_UNPROTECTED_TRANSPORTS": "true"}
 
 
-COMPONENTS = REPO / "deploy" / "components"
+COMPONENTS = REPO_ROOT / "deploy" / "components"
 CUSTOM_KINDS = {"LeaderWorkerSet"}  # custom resources the Kubernetes schemas lack: checked field by field
 
 
@@ -229,7 +230,7 @@ def render_overlay(tmp_path: Path, role: str, component: str | None) -> list[dic
         return os.path.relpath(path, tmp_path)
 
     overlay = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-               "resources": [rel(REPO / "deploy" / "overlays" / role)]}
+               "resources": [rel(REPO_ROOT / "deploy" / "overlays" / role)]}
     if component:
         overlay["components"] = [rel(COMPONENTS / component)]
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tests.support.cpu_torchvision import declare_torchvision_ops
+from kvbroker_tools.serving.cpu_torchvision import declare_torchvision_ops
 
 declare_torchvision_ops()
 

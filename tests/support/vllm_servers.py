@@ -14,8 +14,8 @@ import aiohttp
 from kvbroker_tools.launch import BrokerProcess, start_broker
 from kvbroker_tools.serving import client, stack, vllm_stack
 from tests.support.helpers import until_awaited
+from tests.support.reference import ANSWER_TOKENS
 
-ANSWER_TOKENS = 8
 BLOCK = 32  # vllm_stack's --block-size
 # prefill holds a request's blocks this long for decode's offer; decode's grant lives this long
 CONNECTOR = {"hold_s": 60, "grant_expiry_s": 60}
