@@ -37,6 +37,7 @@ compile() {  # compile LOCK [uv flags]: locks/LOCK.in -> LOCK.txt, for CPython 3
 compile uv
 compile runtime-cpu
 compile runtime-cuda
+compile image-cpu --override locks/image-cpu.overrides  # the CPU image: no torch (image-cpu.in)
 compile test            # constrained by runtime-cpu.txt: the suite runs what the demo and image run
 compile sglang-nodeps --no-deps
 compile vllm --no-emit-package torchvision --no-emit-package torchaudio --no-emit-package torchcodec  # CUDA builds: stop `import vllm`
