@@ -1,6 +1,8 @@
 # kvbroker sidecar image.
-#   docker build -t kvbroker:cpu .                          host memory: NIXL + Mooncake (non-CUDA), CPU torch
+#   docker build -t kvbroker:cpu .                          host memory: NIXL + Mooncake (non-CUDA), no torch
 #   docker build --build-arg FLAVOR=cuda -t kvbroker:cuda .  GPU pods: NIXL + Mooncake CUDA builds
+#   bash scripts/image.sh                                   the CPU image with podman, from a base made here
+# The same file for Docker, BuildKit and buildah: no construct one of them lacks (an ARG in a stage name).
 # Runs `kvbroker serve` as UID 10001: local API on unix:/run/kvbroker/kvbroker.sock, peer API on
 # 0.0.0.0:50052, JSON logs. Every setting is a KVBROKER_* variable (README, Operations).
 
@@ -30,17 +32,15 @@ ARG FLAVOR
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-# The daemon's dependencies exactly as locked (locks/runtime-$FLAVOR.txt, hash-checked, nothing
-# resolved), then the daemon and its client package without theirs. CPU flavor: the lock pins torch's
-# CPU build, which only PyTorch's CPU index serves; NIXL's wheels require a torch.
-ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The daemon's dependencies exactly as locked (hash-checked, nothing resolved), then the daemon and its
+# client package without theirs. CPU flavor: locks/image-cpu.txt, the runtime's pins without torch
+# (NIXL's build wheels name it, the daemon imports NIXL without it: locks/image-cpu.in), all from PyPI.
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-COPY locks/runtime-cpu.txt locks/runtime-cuda.txt locks/
+COPY locks/image-cpu.txt locks/runtime-cuda.txt locks/
 RUN case "$FLAVOR" in \
-      cpu) pip install --no-cache-dir --require-hashes --no-deps --extra-index-url "$TORCH_CPU_INDEX_URL" \
-             -r locks/runtime-cpu.txt ;; \
+      cpu) pip install --no-cache-dir --require-hashes --no-deps -r locks/image-cpu.txt ;; \
       cuda) pip install --no-cache-dir --require-hashes --no-deps -r locks/runtime-cuda.txt ;; \
       *) echo "FLAVOR must be cpu or cuda, not '$FLAVOR'" >&2; exit 1 ;; \
     esac
@@ -50,15 +50,10 @@ COPY kvbroker kvbroker
 RUN pip install --no-cache-dir --no-deps --no-build-isolation ./clients/python . \
     && kvbroker serve --help > /dev/null
 
-FROM base AS runtime-cpu
-
-FROM base AS runtime-cuda
-# The NVIDIA container runtime mounts the driver's compute libraries only when asked to.
+FROM base AS runtime
+# Both flavors: the stages differ only in the venv they copy. The NVIDIA container runtime mounts the
+# driver's compute libraries only when asked to; elsewhere nothing reads the variable.
 ENV NVIDIA_DRIVER_CAPABILITIES=compute,utility
-
-# A stage of this file chosen by FLAVOR, not an image to tag.
-# hadolint ignore=DL3006
-FROM runtime-${FLAVOR} AS runtime
 COPY --from=build /opt/venv /opt/venv
 RUN install -d -o kvbroker -g kvbroker -m 0770 /run/kvbroker
 ENV PATH=/opt/venv/bin:$PATH \

@@ -47,25 +47,36 @@ def test_build_is_multi_stage_and_the_final_stage_copies_only_the_venv():
     assert copies[0].args.split()[-2:] == ["/opt/venv", "/opt/venv"]
 
 
-def test_flavor_is_a_build_arg_defaulting_to_cpu_that_picks_the_runtime_stage():
+def test_flavor_is_a_build_arg_defaulting_to_cpu_that_picks_the_lock():
     global_args = [i.args for i in INSTRUCTIONS if i.stage == -1 and i.keyword == "ARG"]
     assert "FLAVOR=cpu" in global_args
-    assert re.fullmatch(r"runtime-\$\{FLAVOR\} AS runtime", only("FROM").args)
-    stage_named("runtime-cpu"), stage_named("runtime-cuda")
+    assert only("FROM").args == "base AS runtime"
+    # buildah (podman build) does not expand an ARG in a stage name: no stage is chosen by one.
+    assert not [i.args for i in INSTRUCTIONS if i.keyword == "FROM" and "$" in i.args.split()[0]
+                and i.args.split()[0] != "${PYTHON_IMAGE}"]
 
 
 def test_each_flavor_installs_its_lock_compiled_from_the_extras_pyproject_defines():
     extras = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     build = [i for i in INSTRUCTIONS if i.stage == stage_named("build") and i.keyword == "RUN"]
     install = next(i.args for i in build if "FLAVOR" in i.args)
-    for flavor, extra in (("cpu", "[nixl,mooncake-cpu]"), ("cuda", "[nixl,mooncake]")):
+    flavors = (("cpu", "image-cpu", "[nixl,mooncake-cpu]"), ("cuda", "runtime-cuda", "[nixl,mooncake]"))
+    for flavor, lock, extra in flavors:
         command = re.search(rf"{flavor}\)(.*?);;", install).group(1)
-        assert f"-r locks/runtime-{flavor}.txt" in command and "--require-hashes" in command, flavor
+        assert f"-r locks/{lock}.txt" in command and "--require-hashes" in command, flavor
         assert "--no-deps" in command, "a lock is installed as it is: nothing resolved at build time"
-        assert re.search(rf"^-e \.{re.escape(extra)}$", (REPO_ROOT / "locks" / f"runtime-{flavor}.in").read_text(),
-                         re.MULTILINE), f"locks/runtime-{flavor}.in must compile the daemon with {extra}"
+        assert "index-url" not in command, "every package from PyPI"
+        assert re.search(rf"^-e \.{re.escape(extra)}$", (REPO_ROOT / "locks" / f"{lock}.in").read_text(),
+                         re.MULTILINE), f"locks/{lock}.in must compile the daemon with {extra}"
     assert {"nixl", "mooncake-cpu", "mooncake"} <= set(extras)
     assert re.search(r"\*\).*exit 1", install), "an unknown FLAVOR must fail the build"
+
+
+def test_the_cpu_image_carries_no_torch_and_no_cuda_library():
+    pinned = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", (REPO_ROOT / "locks" / "image-cpu.txt").read_text(),
+                        re.MULTILINE)
+    assert "nixl" in pinned and "mooncake-transfer-engine-non-cuda" in pinned
+    assert not [p for p in pinned if p == "torch" or p.startswith(("nvidia-", "triton", "nixl-cu12"))], pinned
 
 
 def test_the_packages_are_installed_after_their_locked_dependencies_and_without_resolving():
@@ -83,8 +94,7 @@ def test_engine_system_libraries_are_installed_for_both_flavors():
     for package in ("libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"):
         assert re.search(rf"\s{package}(\s|$)", apt), package
     assert "--no-install-recommends" in apt and "rm -rf /var/lib/apt/lists/*" in apt
-    for runtime in ("runtime-cpu", "runtime-cuda"):
-        assert re.search(r"\bbase\b", next(i.args for i in INSTRUCTIONS if i.stage == stage_named(runtime)))
+    assert re.search(r"\bbase\b", next(i.args for i in INSTRUCTIONS if i.stage == stage_named("runtime")))
 
 
 def test_runs_as_a_non_root_numeric_user():

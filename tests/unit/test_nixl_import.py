@@ -1,16 +1,18 @@
-"""A NIXL broker imports NIXL's API without torch where torch has no CUDA (seconds of every start),
-and gets the same build `import nixl` would choose."""
+"""A NIXL broker imports NIXL's API without torch where torch has no CUDA (seconds of every start) or
+is not installed (the CPU image), and gets the same build `import nixl` would choose."""
 
 from __future__ import annotations
 
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from kvbroker.backends import nixl_api as nixl
+from tests.support import REPO_ROOT
 
 CHILD = """
 import json, os, sys
@@ -21,6 +23,28 @@ import nixl._api
 print(json.dumps({**direct, "nixl_chose": sys.modules["nixl._api"].__name__}), flush=True)
 os._exit(0)  # NIXL's teardown at interpreter exit is not what this checks
 """
+
+
+def test_without_torch_nixl_comes_as_import_nixl_would_choose_it(tmp_path):
+    """As in the CPU image, where torch is not installed: this environment's packages but torch's."""
+    import json
+    import os
+    import sysconfig
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    packages = tmp_path / "site-packages"
+    packages.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith(("torch", "__editable__", "_virtualenv")) and not entry.name.endswith(".pth"):
+            (packages / entry.name).symlink_to(entry)
+    path = os.pathsep.join([str(packages), str(REPO_ROOT), str(REPO_ROOT / "clients" / "python" / "src")])
+    out = subprocess.run([sys.executable, "-S", "-c", CHILD], capture_output=True, text=True, timeout=120,
+                         check=True, env={**os.environ, "PYTHONPATH": path})
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["torch"] is False and seen["module"] == seen["nixl_chose"] == "nixl_cu13._api", seen
+    probe = subprocess.run([sys.executable, "-S", "-c", "import torch"], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": path})
+    assert probe.returncode != 0 and "No module named 'torch'" in probe.stderr  # the test saw no torch
 
 
 def test_this_machines_torch_has_no_cuda_and_nixl_comes_without_it():
