@@ -26,29 +26,42 @@ RUN apt-get update \
 
 FROM base AS build
 ARG FLAVOR
-# gcc compiles kvbroker's one C extension, the SIGBUS guard (kvbroker/memory/_memguard.c); it stays in this
-# stage. Versions follow the base image's Debian release.
+# gcc compiles kvbroker's one C extension, the SIGBUS guard (kvbroker/memory/_memguard.c), with Python's
+# headers: the official image has them, Debian's python3 (scripts/image.sh's base) takes python3-dev. All
+# of it stays in this stage. Versions follow the base image's Debian release.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev \
+RUN headers="$(python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" \
+    && dev="" && { [ -e "$headers" ] || dev=python3-dev; } \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev ${dev:+"$dev"} \
     && rm -rf /var/lib/apt/lists/*
 # The daemon's dependencies exactly as locked (hash-checked, nothing resolved), then the daemon and its
 # client package without theirs. CPU flavor: locks/image-cpu.txt, the runtime's pins without torch
 # (NIXL's build wheels name it, the daemon imports NIXL without it: locks/image-cpu.in), all from PyPI.
+# CA_BUNDLE: the certificates pip trusts, where a proxy between the build and the index re-signs TLS
+# (scripts/image.sh mounts the host's bundle for the build only); unset, pip's own.
+ARG CA_BUNDLE=""
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY locks/image-cpu.txt locks/runtime-cuda.txt locks/
 RUN case "$FLAVOR" in \
-      cpu) pip install --no-cache-dir --require-hashes --no-deps -r locks/image-cpu.txt ;; \
-      cuda) pip install --no-cache-dir --require-hashes --no-deps -r locks/runtime-cuda.txt ;; \
+      cpu) pip install --no-cache-dir --require-hashes --no-deps ${CA_BUNDLE:+--cert "$CA_BUNDLE"} \
+             -r locks/image-cpu.txt ;; \
+      cuda) pip install --no-cache-dir --require-hashes --no-deps ${CA_BUNDLE:+--cert "$CA_BUNDLE"} \
+              -r locks/runtime-cuda.txt ;; \
       *) echo "FLAVOR must be cpu or cuda, not '$FLAVOR'" >&2; exit 1 ;; \
     esac
 COPY clients/python clients/python
 COPY pyproject.toml setup.py ./
 COPY kvbroker kvbroker
+# Then what the daemon never runs leaves the venv: NIXL's expert-parallel extension (nixl_ep_cu*, ~90 MB,
+# built against torch, which this image does not carry; the cuda flavor's daemon does not use it either),
+# and pip and setuptools, which only installed.
 RUN pip install --no-cache-dir --no-deps --no-build-isolation ./clients/python . \
-    && kvbroker serve --help > /dev/null
+    && kvbroker serve --help > /dev/null \
+    && rm -rf "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')"/nixl_ep_cu* \
+    && pip uninstall --yes --quiet pip setuptools
 
 FROM base AS runtime
 # Both flavors: the stages differ only in the venv they copy. The NVIDIA container runtime mounts the

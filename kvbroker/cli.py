@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from kvbroker import __version__
 from kvbroker.config import Settings, add_settings_arguments, settings_from_args
 from kvbroker.ops import logs, probe, status
 
@@ -82,6 +83,7 @@ def _run(coro) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvbroker", description="KV-cache transfer broker")
+    parser.add_argument("--version", action="version", version=f"kvbroker {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_cmd = commands.add_parser("serve", help="run a broker")
     add_settings_arguments(serve_cmd)

@@ -36,3 +36,11 @@ def test_a_daemon_without_its_tooling_says_which_package_the_command_needs(capsy
     err = capsys.readouterr().err
     assert err.startswith(f"kvbroker {command}: needs the kvbroker-tools package")
     assert "pip install -e tooling" in err and "Traceback" not in err
+
+
+def test_the_version_is_the_packages(capsys):
+    from kvbroker import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"kvbroker {__version__}\n"
