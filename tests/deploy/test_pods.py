@@ -22,7 +22,7 @@ import trustme
 import yaml
 
 from tests.support import pods
-from tests.support.deploy import render_overlay
+from tests.support.deploy import one, render_overlay
 
 IPS = {"prefill": "10.88.0.50", "decode": "10.88.0.51"}  # podman's default bridge network, 10.88.0.0/16
 PEER = f"{IPS['prefill']}:50052"
@@ -47,6 +47,7 @@ class Pods:
                                               '"nproc=1024:1024"]\n[engine]\nruntime = "runc"\n')
         self.env = {**os.environ, "CONTAINERS_CONF": str(root / "containers.conf")}
         self.name = {role: f"{role}-inference-0" for role in IPS}
+        self.grace_s = 60  # the pods' terminationGracePeriodSeconds, as rendered
 
     def podman(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, env=self.env)
@@ -92,6 +93,7 @@ def deployment(tmp_path_factory):
             (root / role).mkdir()
             docs = render_overlay(root / role, role, "mooncake-tcp")
             pods.identity(ca, root / f"tls-{role}", deployed.name[role])
+            deployed.grace_s = one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             manifest = pods.pod(docs, name=deployed.name[role], ip=IPS[role], tls=root / f"tls-{role}",
                                 scratch=scratch, server_env={"ROLE": role, "SEED": SEED, "PREFILL_PEER": PEER})
             (root / f"{role}.yaml").write_text(yaml.safe_dump(manifest))
@@ -162,15 +164,22 @@ def test_a_request_in_flight_on_a_killed_broker_fails_with_its_status_and_the_ne
 def test_a_pod_stopped_ends_the_other_sides_request_with_the_drains_status_and_nothing_stays_held(deployment):
     """Prefill's pod stops (SIGTERM, as a rollout or a drain does) with decode's grant offered to it and
     nothing sent: the prefill broker drains and fails what it holds, telling decode, whose request ends
-    UNAVAILABLE naming the sender ("broker shut down before the request completed"), well before the
-    grant's expiry (60 s); the decode broker holds no request afterwards. Runs last: the pod stays stopped."""
+    UNAVAILABLE naming the sender ("broker shut down before the request completed") once the drain's
+    grace (20 s) ran out, before the grant's expiry (60 s); the decode broker holds no request afterwards.
+    Runs last: the pod stays stopped."""
     test_a_request_moves_between_the_pods_verified_to_the_byte(deployment)
     holder = deployment.one_shot("prefill", "pods-4", "HOLD=1")
     waiting = deployment.one_shot("decode", "pods-4", "EXPIRY_S=60")
     assert json.loads(waiting.stdout.readline()) == {"offered": "pods-4"}
-    deployment.podman("pod", "stop", "--time", "10", deployment.name["prefill"], timeout=60)
-    out, err = waiting.communicate(timeout=120)
+    # As kubelet stops a pod, its native sidecar (the broker) gets SIGTERM and the pod's grace (60 s), which
+    # covers the broker's drain (KVBROKER_SHUTDOWN_GRACE_S, 20 s) after which it fails what it holds; the
+    # sandbox goes last. (`podman pod stop` alone stops the sandbox with the others, and with the pod's
+    # shared PID namespace its end kills every process at once: no drain.)
+    deployment.podman("stop", "--time", str(deployment.grace_s), deployment.container("prefill", "kvbroker"),
+                      timeout=180)
     holder.kill()
+    deployment.podman("pod", "stop", deployment.name["prefill"], timeout=60)
+    out, err = waiting.communicate(timeout=120)
     report = json.loads(out.strip().splitlines()[-1])
     assert waiting.returncode == 1, (report, err)
     assert report["error"] == ("UNAVAILABLE: sender 'prefill-inference-0' failed: broker shut down before the "
