@@ -64,11 +64,12 @@ def _synthetic(oneof) -> bool:
     return len(oneof.fields) == 1 and oneof.name == f"_{oneof.fields[0].name}"
 
 
-def _holds_field(descriptor: Descriptor, name: str, seen: set[str]) -> bool:
+def _holds(descriptor: Descriptor, found, seen: set[str]) -> bool:
+    """Whether a field of `descriptor`, or of a message below it, is one `found` picks."""
     if descriptor.full_name in seen:
         return False
     seen.add(descriptor.full_name)
-    return any(f.name == name or (f.type == FieldDescriptor.TYPE_MESSAGE and _holds_field(f.message_type, name, seen))
+    return any(found(f) or (f.type == FieldDescriptor.TYPE_MESSAGE and _holds(f.message_type, found, seen))
                for f in descriptor.fields)
 
 
@@ -81,7 +82,8 @@ def _methods():
 # Page lists a request of each method may carry, each of up to max_pages_per_request ids; methods
 # not named here carry none and take SMALL_MESSAGE_BYTES, but for the layer buffers' and the streams'.
 PAGE_LISTS = {path: count for path, message in _methods() if (count := page_lists(message))}
-LAYER_BUFFER_METHODS = {path for path, message in _methods() if _holds_field(message, "layer_buffers", set())}
+LAYER_BUFFER_METHODS = {path for path, message in _methods()
+                        if _holds(message, lambda f: f.name == "layer_buffers", set())}
 
 
 @dataclass(frozen=True)
@@ -165,17 +167,10 @@ def _nested_lists(descriptor: Descriptor) -> frozenset[str]:
     found = _NESTED.get(descriptor.full_name)
     if found is None:
         found = frozenset(f.name for f in descriptor.fields
-                          if f.type == FieldDescriptor.TYPE_MESSAGE and _holds_lists(f.message_type, set()))
+                          if f.type == FieldDescriptor.TYPE_MESSAGE
+                          and _holds(f.message_type, lambda g: g.is_repeated, set()))
         _NESTED[descriptor.full_name] = found
     return found
-
-
-def _holds_lists(descriptor: Descriptor, seen: set[str]) -> bool:
-    if descriptor.full_name in seen:
-        return False
-    seen.add(descriptor.full_name)
-    return any(f.is_repeated or (f.type == FieldDescriptor.TYPE_MESSAGE and _holds_lists(f.message_type, seen))
-               for f in descriptor.fields)
 
 
 def leading_id(data: bytes) -> int | None:

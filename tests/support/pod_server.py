@@ -1,9 +1,10 @@
 """An inference server stand-in for the pod tests (tests/deploy/test_pods.py), run in a pod's server
 container with the image's own Python (numpy and kvbroker_client; nothing of kvbroker's tooling): it
 registers a MiniMax-M3-shaped engine (MAIN_KV, MINIMAX_INDEX_K, MINIMAX_DENSE_KV in /dev/shm, which the
-pod's containers share) with its pod's broker and moves one request, as clients/examples/prefill_decode.py
-does within one process. The two pods agree through their settings only: both draw the request's bytes
-and pages from SEED, so decode checks every byte without seeing prefill's memory.
+pod's containers share; the example's Cache, clients/examples/prefill_decode.py, mounted at /opt/examples)
+with its pod's broker and moves one request, as that example does within one process. The two pods
+agree through their settings only: both draw the request's bytes and pages from SEED, so decode checks
+every byte without seeing prefill's memory.
 
     ROLE=prefill  fills its pages, watches for decode's offer, then sends the request in three parts
                   (HOLD=1: never sends, so that decode's request stays in flight)
@@ -24,40 +25,14 @@ import sys
 
 import numpy as np
 
-from kvbroker_client import BrokerClient, BrokerError, Component, KvDtype, NotFound, Topology, Unavailable
-from kvbroker_client.tensors import SharedPool, flat_component, kv_split_component
+from kvbroker_client import BrokerClient, BrokerError, Component, NotFound, Unavailable
 
-DENSE_LAYERS, SPARSE_LAYERS = [0, 1], [2, 3]
-NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, INDEX_DIM = 64, 16, 2, 64, 64
-REQUEST_PAGES, PREFIX_PAGES, CHUNKS = 24, 4, 3
-CANARY = 0xA5
+sys.path.insert(0, os.environ.get("EXAMPLES", "/opt/examples"))  # clients/examples, mounted beside this file
+from prefill_decode import CANARY, CHUNKS, NUM_PAGES, PREFIX_PAGES, REQUEST_PAGES, Cache  # noqa: E402
+from prefill_decode import component_pages as pages_of  # noqa: E402
+
 REQUEST_ID = os.environ.get("REQUEST", "pods-1")
-
-
-class Cache:
-    def __init__(self) -> None:
-        layers = len(DENSE_LAYERS) + len(SPARSE_LAYERS)
-        kv_bytes = NUM_PAGES * PAGE_SIZE * KV_HEADS * HEAD_DIM * 2
-        self.pool = SharedPool(2 * layers * kv_bytes + len(SPARSE_LAYERS) * NUM_PAGES * PAGE_SIZE * INDEX_DIM
-                               + 64 * 4096, prefix="kvb-pod")
-        page = (NUM_PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM)
-        self.k = [self.pool.numpy(page, np.uint16) for _ in SPARSE_LAYERS]
-        self.v = [self.pool.numpy(page, np.uint16) for _ in SPARSE_LAYERS]
-        self.index = [self.pool.numpy((NUM_PAGES, PAGE_SIZE, INDEX_DIM), np.uint8) for _ in SPARSE_LAYERS]
-        self.dense_k = [self.pool.numpy(page, np.uint16) for _ in DENSE_LAYERS]
-        self.dense_v = [self.pool.numpy(page, np.uint16) for _ in DENSE_LAYERS]
-        self.topology = Topology(page_size=PAGE_SIZE, start_layer=0, end_layer=layers, kv_dtype=KvDtype.BFLOAT16)
-        self.components = [
-            kv_split_component(self.k, self.v, layer_ids=SPARSE_LAYERS, segments=self.pool),
-            flat_component(self.index, layer_ids=SPARSE_LAYERS, segments=self.pool,
-                           component=Component.MINIMAX_INDEX_K),
-            kv_split_component(self.dense_k, self.dense_v, layer_ids=DENSE_LAYERS, segments=self.pool,
-                               component=Component.MINIMAX_DENSE_KV),
-        ]
-
-    def buffers(self) -> dict[Component, list[np.ndarray]]:
-        return {Component.MAIN_KV: [*self.k, *self.v], Component.MINIMAX_INDEX_K: self.index,
-                Component.MINIMAX_DENSE_KV: [*self.dense_k, *self.dense_v]}
+COMPONENTS = (Component.MAIN_KV, Component.MINIMAX_INDEX_K, Component.MINIMAX_DENSE_KV)
 
 
 def plan(seed: int) -> tuple[np.ndarray, np.ndarray, bytes]:
@@ -70,14 +45,13 @@ def plan(seed: int) -> tuple[np.ndarray, np.ndarray, bytes]:
 
 
 def component_pages(pages: np.ndarray) -> dict[Component, np.ndarray]:
-    return {Component.MAIN_KV: pages[PREFIX_PAGES:], Component.MINIMAX_INDEX_K: pages[PREFIX_PAGES:],
-            Component.MINIMAX_DENSE_KV: pages}
+    return pages_of(pages, PREFIX_PAGES)
 
 
 def fill(cache: Cache, seed: int) -> None:
     rng = np.random.default_rng(seed + 1)
-    for buffers in cache.buffers().values():
-        for buffer in buffers:
+    for component in COMPONENTS:
+        for buffer in cache.buffers(component):
             raw = buffer.view(np.uint8)
             raw[...] = rng.integers(0, 256, size=raw.shape, dtype=np.uint8)
 
@@ -115,9 +89,8 @@ async def prefill(broker: BrokerClient, cache: Cache, seed: int, engine_id: str)
 
 
 async def decode(broker: BrokerClient, cache: Cache, seed: int, engine_id: str) -> dict:
-    for buffers in cache.buffers().values():
-        for buffer in buffers:
-            buffer.view(np.uint8)[...] = CANARY
+    for buffer in cache.buffers():
+        buffer.view(np.uint8)[...] = CANARY
     src, dst, aux = plan(seed)
     # A router sends decode a request once prefill serves; the stand-ins start together, so decode offers
     # again while the prefill broker or its engine is not there yet (UNAVAILABLE, NOT_FOUND), bounded.
@@ -147,9 +120,9 @@ def mismatched(cache: Cache, seed: int, src: np.ndarray, dst: np.ndarray) -> int
     rng = np.random.default_rng(seed + 1)
     src_by, dst_by = component_pages(src), component_pages(dst)
     bad = 0
-    for component, buffers in cache.buffers().items():
+    for component in COMPONENTS:
         untouched = np.setdiff1d(np.arange(NUM_PAGES), dst_by[component])
-        for buffer in buffers:
+        for buffer in cache.buffers(component):
             raw = buffer.view(np.uint8)
             source = rng.integers(0, 256, size=raw.shape, dtype=np.uint8).reshape(NUM_PAGES, -1)
             got = raw.reshape(NUM_PAGES, -1)
@@ -161,7 +134,7 @@ def mismatched(cache: Cache, seed: int, src: np.ndarray, dst: np.ndarray) -> int
 async def main() -> int:
     role, seed = os.environ["ROLE"], int(os.environ.get("SEED", "0"))
     engine_id = f"{role}-{REQUEST_ID}/tp0"
-    cache = Cache()
+    cache = Cache(engine_id)
     async with await BrokerClient.connect(os.environ["KVBROKER_ADDRESS"], timeout=60) as broker:
         await broker.register_engine(engine_id, cache.topology, cache.components)
         try:

@@ -12,7 +12,7 @@ cluster has, each change said here:
   is), writable by the image's UID as fsGroup makes it in a cluster;
 - podman publishes a containerPort on the host's port of that number: the pods reach each other on
   their own IPs, so the containers declare none;
-- the inference server is tests/support/pod_server.py on the image's own Python.
+- the inference server is tests/support/pod_server.py (with clients/examples) on the image's own Python.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tests.support.deploy import one
 
 IMAGE = os.environ.get("KVBROKER_IMAGE", "localhost/kvbroker:cpu")
 SERVER_DIR = Path(__file__).resolve().parent  # holds pod_server.py, mounted read-only in the server container
+EXAMPLES_DIR = SERVER_DIR.parents[1] / "clients" / "examples"  # the cache pod_server.py uses
 
 
 def identity(ca: trustme.CA, folder: Path, pod_name: str) -> None:
@@ -54,8 +55,9 @@ def pod(docs: list[dict], *, name: str, ip: str, tls: Path, scratch: Path, serve
     (server,) = spec["containers"]
     server["command"] = ["python", "/opt/pod-server/pod_server.py"]
     server["env"] = [*server.get("env", []), *({"name": k, "value": v} for k, v in server_env.items())]
-    server.setdefault("volumeMounts", []).append({"name": "pod-server", "mountPath": "/opt/pod-server",
-                                                  "readOnly": True})
+    server.setdefault("volumeMounts", []).extend([
+        {"name": "pod-server", "mountPath": "/opt/pod-server", "readOnly": True},
+        {"name": "examples", "mountPath": "/opt/examples", "readOnly": True}])
     for container in (broker, server):
         container["image"] = IMAGE
         container.pop("resources", None)
@@ -64,7 +66,8 @@ def pod(docs: list[dict], *, name: str, ip: str, tls: Path, scratch: Path, serve
     spec["restartPolicy"] = "Always"  # a container that dies comes back, as kubelet restarts a sidecar
     spec["volumes"] = [{"name": v["name"], "hostPath": {"path": str(tls), "type": "Directory"}}
                        if v["name"] == "peer-tls" else v for v in spec["volumes"]]
-    spec["volumes"].append({"name": "pod-server", "hostPath": {"path": str(SERVER_DIR), "type": "Directory"}})
+    spec["volumes"] += [{"name": "pod-server", "hostPath": {"path": str(SERVER_DIR), "type": "Directory"}},
+                        {"name": "examples", "hostPath": {"path": str(EXAMPLES_DIR), "type": "Directory"}}]
     for volume in spec["volumes"]:
         if "emptyDir" in volume:
             del volume["emptyDir"]
