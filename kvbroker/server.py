@@ -277,6 +277,7 @@ class BrokerServer:
                                     s.max_layer_buffers, s.notice_stream_bytes)
         peer_reads = PeerReads(s.max_peer_reads, s.max_reads_per_peer, s.peer_rpc_timeout_s)
         peer_admission = Admission(peer_limits, peer_reads, trim=self._trim, counted=self.metrics.refusal("peer"),
+                                   messages=(self.metrics.messages, "peer"),
                                    streams=StreamQuota(s.max_peer_notice_streams, s.max_notice_streams_per_peer),
                                    unserved=frozenset() if s.peer_notice_stream else frozenset(NOTICE_STREAMS))
         peer_server = self._grpc_server(PEER_SERVICE, peer_server_options(s), peer_admission)
@@ -305,7 +306,8 @@ class BrokerServer:
                          ("grpc.max_send_message_length", s.max_message_bytes), ("grpc.so_reuseport", 0)]
         local_limits = RequestLimits(s.max_message_bytes, "max_message_bytes", s.max_pages_per_request,
                                      s.max_layer_buffers)
-        local_admission = Admission(local_limits, trim=self._trim, counted=self.metrics.refusal("local"))
+        local_admission = Admission(local_limits, trim=self._trim, counted=self.metrics.refusal("local"),
+                                    messages=(self.metrics.messages, "local"))
         local_server = self._grpc_server(BROKER_SERVICE, local_options, local_admission)
         self._exchanges = Exchanges(broker, s.max_exchange_commands, settle_s=s.transfer_timeout_s, bounds=streams,
                                     observer=self.metrics)

@@ -38,6 +38,7 @@ from kvbroker.edge.codes import details
 from kvbroker.edge.peer_quotas import PeerReads, SlotTimeout, StreamQuota, peer_host
 from kvbroker.edge.request_limits import COMMAND_STREAMS, NOTICE_STREAMS, Refusal, RequestLimits, leading_id
 from kvbroker.ops.logs import LogThrottle
+from kvbroker.ops.metrics import MessageCounts
 from kvbroker.ops.trim import MemoryTrim
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ class Admission(grpc.aio.ServerInterceptor):
     def __init__(self, limits: RequestLimits, reads: PeerReads | None = None,
                  throttle: LogThrottle | None = None, trim: MemoryTrim | None = None,
                  counted: Callable[[str], None] | None = None, streams: StreamQuota | None = None,
-                 unserved: frozenset[str] = frozenset()) -> None:
+                 unserved: frozenset[str] = frozenset(), messages: tuple[MessageCounts, str] | None = None) -> None:
         self.limits = limits
         self._unserved = unserved  # methods answered as grpc answers a method it does not know (UNIMPLEMENTED)
         self.reads = reads
@@ -57,6 +58,7 @@ class Admission(grpc.aio.ServerInterceptor):
         self._throttle = throttle or LogThrottle(log)
         self._trim = trim
         self._counted = counted  # told each refusal's reason (Metrics.refusal: kvbroker_refused_requests_total)
+        self._messages = messages  # where this port's messages are counted, and the port's name
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method in self._unserved:
@@ -67,6 +69,8 @@ class Admission(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         parse = self._parser(method, handler.request_deserializer)
         serialize = handler.response_serializer
+        if self._messages is not None:
+            parse, serialize = _counting(parse, serialize, method, *self._messages)
         if handler.unary_unary is not None:
             if self.reads is None:
                 return grpc.unary_unary_rpc_method_handler(self._unary(method, handler.unary_unary), parse, serialize)
@@ -245,6 +249,22 @@ class Admission(grpc.aio.ServerInterceptor):
         if isinstance(request, Refusal):
             await self._refuse(request, method, context)
         return request
+
+
+def _counting(parse: Callable, serialize: Callable | None, method: str, counts: MessageCounts, port: str):
+    """`parse` and `serialize` that count each message read and written (MessageCounts)."""
+    table = counts.counts
+    read, written = counts.key(port, method, "in"), counts.key(port, method, "out")
+
+    def counted_parse(data: bytes):
+        table[read] += 1
+        return parse(data)
+
+    def counted_serialize(message) -> bytes:
+        table[written] += 1
+        return serialize(message) if serialize is not None else message
+
+    return counted_parse, counted_serialize
 
 
 def _bare(exc: BaseException) -> BaseException:

@@ -124,6 +124,39 @@ async def test_metrics_count_each_part_notice_and_the_notify_call_that_carried_i
     assert delta(offers_before, offers_after, "kvbroker_peer_offers_streamed_total") == 1
 
 
+async def test_metrics_count_the_grpc_messages_of_a_request_per_port_method_and_direction(observed, engines,
+                                                                                        request_id):
+    """An offered request of one part through the unary calls: each call's request and reply on the
+    local ports, and its peer messages: the offer on the prefill broker's peer port, the part's notice
+    on the decode broker's, each a NotifyStream message and its answer."""
+    src = await engines.make(observed.prefill, "prefill")
+    dst = await engines.make(observed.decode, "decode", fill="canary")
+
+    async def offered(rid: str, dst_pages: list[int], src_pages: list[int]) -> None:
+        await dst.stub.ExpectTransfer(bpb.ExpectTransferRequest(
+            request_id=rid, engine_id=dst.engine_id, expiry_ms=30_000,
+            pages=[pb.ComponentPages(component=pb.COMPONENT_MAIN_KV, page_ids=dst_pages)],
+            sender_address=observed.prefill.peer_address, sender_engine_id=src.engine_id), timeout=10)
+        await src.stub.Transfer(bpb.TransferRequest(
+            request_id=rid, engine_id=src.engine_id,
+            pages=[bpb.PartPages(component=pb.COMPONENT_MAIN_KV, src_page_ids=src_pages)]), timeout=30)
+
+    await offered(f"{request_id}-warm", [30], [3])  # the handshake and the streams between the two come first
+    before = [await scrape(observed.prefill), await scrape(observed.decode)]
+    await offered(request_id, [10, 11], [0, 1])
+    after = [await scrape(observed.prefill), await scrape(observed.decode)]
+
+    def messages(side: int, port: str, method: str, direction: str) -> float:
+        return delta(before[side], after[side], "kvbroker_grpc_messages_total", port=port, method=method,
+                     direction=direction)
+
+    for direction in ("in", "out"):
+        assert messages(0, "local", "BrokerService/Transfer", direction) == 1
+        assert messages(1, "local", "BrokerService/ExpectTransfer", direction) == 1
+        assert messages(0, "peer", "PeerService/NotifyStream", direction) == 1  # the offer
+        assert messages(1, "peer", "PeerService/NotifyStream", direction) == 1  # the part's notice
+
+
 async def test_metrics_count_a_refused_transfer_by_its_code_on_both_sides(observed, engines, request_id):
     src = await engines.make(observed.prefill, "prefill", pp_size=2, pp_rank=0)
     dst = await engines.make(observed.decode, "decode", fill="canary")
