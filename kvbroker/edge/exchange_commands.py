@@ -3,7 +3,13 @@
   `_run` makes the very Broker call the command's unary RPC makes (Transfer, ExpectTransfer,
   WatchTransfer), converted by edge/convert.py the same way, its failure its last reply's code and
   message as edge/codes.py maps it for the unary RPC: no rule is checked here. A watch ends with its
-  request's terminal status, or at the command's deadline (timeout_ms: DEADLINE_EXCEEDED);
+  request's terminal status, or at the command's deadline (timeout_ms: DEADLINE_EXCEEDED); an
+  expect_watch is the ExpectTransfer, its reply, then a terminal-only watch of the grant, under one
+  deadline;
+- a transfer with end_watches whose reply is SUCCEEDED ends the stream's watches of its request
+  (`_end_watches`) before that reply is queued: they send nothing more, the reply is their end. A
+  watch that sees its request SUCCEEDED while such a transfer is in flight waits for that transfer
+  first, so that the request's end goes out once;
 - a command's last reply frees its slot as it is queued (`_last`): a client that saw it finds the
   slot free;
 - `stop` ends one command for a cancel. A transfer's or expect's Broker call is not cut by it (as a
@@ -25,6 +31,7 @@ from typing import Any, Protocol
 import grpc
 
 from kvbroker.core.errors import BrokerError, Code
+from kvbroker.core.model import TransferState
 from kvbroker.core.tasks import OwnedTasks
 from kvbroker.edge import convert
 from kvbroker.edge.codes import failure, status_code
@@ -66,6 +73,8 @@ class Commands:
         self.in_flight: dict[int, asyncio.Task] = {}
         self._orphans: set[asyncio.Task] = set()  # calls whose command was cancelled: each holds a slot still
         self._watches: set[asyncio.Task] = set()
+        self._watched: dict[int, tuple[str, str]] = {}  # watch command -> its (engine_id, request_id)
+        self._enders: dict[tuple[str, str], set[asyncio.Task]] = {}  # transfers in flight with end_watches
         self._told = 0  # slots the observer was told this stream holds
 
     @property
@@ -82,9 +91,21 @@ class Commands:
         task = self._tasks.spawn(self._run(request), f"exchange command {command_id}")
         self.in_flight[command_id] = task
         task.add_done_callback(lambda _: self._done(command_id, task))
-        if request.WhichOneof("command") == "watch":
+        kind = request.WhichOneof("command")
+        if kind in ("watch", "expect_watch"):
             self._watches.add(task)
+        elif kind == "transfer" and request.transfer.end_watches:
+            key = (request.transfer.engine_id, request.transfer.request_id)
+            self._enders.setdefault(key, set()).add(task)
+            task.add_done_callback(lambda _: self._ender_done(key, task))
         self._tell()
+
+    def _ender_done(self, key: tuple[str, str], task: asyncio.Task) -> None:
+        enders = self._enders.get(key)
+        if enders is not None:
+            enders.discard(task)
+            if not enders:
+                del self._enders[key]
 
     async def stop(self, command_id: int, wait_s: float) -> bool:
         """End command `command_id` for a cancel, its slot freed; False when it is not in flight."""
@@ -108,6 +129,7 @@ class Commands:
             return
         del self.in_flight[command_id]
         self._watches.discard(task)
+        self._watched.pop(command_id, None)
         self._tell()
         self._freed()
 
@@ -125,12 +147,17 @@ class Commands:
             if kind == "transfer":
                 status = await self._call(self._broker.transfer(
                     request.transfer.engine_id, lambda: convert.transfer_command_in(request.transfer), timeout))
+                if request.transfer.end_watches and status.state is TransferState.SUCCEEDED:
+                    self._end_watches((request.transfer.engine_id, request.transfer.request_id))
                 reply = bpb.ExchangeResponse(command_id=command_id,
                                              transfer=bpb.TransferResponse(status=convert.status_out(status)))
             elif kind == "expect":
                 status = await self._call(self._expect(request.expect, timeout))
                 reply = bpb.ExchangeResponse(command_id=command_id,
                                              expect=bpb.ExpectTransferResponse(status=convert.status_out(status)))
+            elif kind == "expect_watch":
+                await self._expect_watch(command_id, request.expect_watch, timeout)
+                return
             elif kind == "watch":
                 await self._watch(command_id, request.watch, timeout)
                 return
@@ -140,7 +167,8 @@ class Commands:
                                                              f"exceed {MAX_PING_BYTES}")
                 reply = bpb.ExchangeResponse(command_id=command_id, pong=request.ping)
             else:
-                raise BrokerError(Code.INVALID_ARGUMENT, "command: none set (transfer, expect, watch, ping or cancel)")
+                raise BrokerError(Code.INVALID_ARGUMENT, "command: none set (transfer, expect, expect_watch, watch, "
+                                                         "ping or cancel)")
             await self._last(reply)
         except asyncio.CancelledError:
             raise  # by its cancel, which answers it, or by the stream's end
@@ -179,8 +207,29 @@ class Commands:
             raise BrokerError(Code.DEADLINE_EXCEEDED, f"timeout_ms: the command's deadline of "
                                                       f"{_ms(timeout)} ms passed") from None
 
+    async def _expect_watch(self, command_id: int, request: bpb.ExpectTransferRequest, timeout: float | None) -> None:
+        """The grant, its reply, then its end as a terminal-only watch; `timeout` bounds the whole command."""
+        loop = asyncio.get_running_loop()
+        at = None if timeout is None else loop.time() + timeout
+        status = await self._call(self._expect(request, timeout))
+        await self._outbox.put(bpb.ExchangeResponse(command_id=command_id, expect=bpb.ExpectTransferResponse(
+            status=convert.status_out(status))))
+        watch = bpb.WatchTransferRequest(engine_id=request.engine_id, request_id=request.request_id, terminal_only=True)
+        await self._watch(command_id, watch, None if at is None else max(0.0, at - loop.time()))
+
+    def _end_watches(self, key: tuple[str, str]) -> None:
+        """A transfer's SUCCEEDED reply is the end of the stream's watches of its request: each is stopped
+        and its slot freed with no message (the client hands it the transfer's reply)."""
+        for command_id, watched in list(self._watched.items()):
+            task = self.in_flight.get(command_id)
+            if watched == key and task is not None and task is not asyncio.current_task():
+                task.cancel()
+                self._done(command_id, task)
+
     async def _watch(self, command_id: int, request: bpb.WatchTransferRequest, timeout: float | None) -> None:
         deadline = asyncio.timeout(timeout)
+        key = (request.engine_id, request.request_id)
+        self._watched[command_id] = key
         try:
             async with deadline:
                 updates = await self._broker.watch(request.engine_id, request.request_id,
@@ -191,6 +240,10 @@ class Commands:
                     async for status in updates:
                         reply = bpb.ExchangeResponse(command_id=command_id, watch=bpb.WatchTransferResponse(
                             status=convert.status_out(status)))
+                        if status.state is TransferState.SUCCEEDED and self._enders.get(key):
+                            # a transfer in flight may end this watch with its reply (end_watches): if
+                            # it does, this task is cancelled in this wait, and sends nothing
+                            await asyncio.wait(list(self._enders[key]))
                         if status.state.terminal:
                             self._carried.forget(status)
                             await self._last(reply)

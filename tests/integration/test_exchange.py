@@ -18,6 +18,7 @@ from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from tests.support.brokers import SMALL, assert_bytes, close_broker, open_broker
 from tests.support.flows import DENSE, INDEX, M3, MAIN, expect_pages, offer, part, refusal, rest, watch_all
+from tests.support.helpers import until
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +76,97 @@ async def test_a_chunked_request_through_the_stream_lands_every_byte_and_its_aux
     finally:
         await decode.close()
         await prefill.close()
+
+
+async def test_one_message_per_step_the_grant_and_its_end_are_one_command_and_the_last_part_ends_the_watch(
+        brokers, engines, request_id):
+    """Decode's grant and its end are one command (expect_watch: the grant's PENDING, then SUCCEEDED
+    with the aux); prefill's last part (end_watches) ends prefill's watch of the request, which the
+    broker then sends nothing: the part's reply is the watch's end. Counted on each stream, with a
+    ping last so that a message sent before it would have been read: decode reads 3 messages
+    (grant, end, pong), prefill 2 (the part's reply, pong) for 2 and 3 commands."""
+    src = await engines.make(brokers.prefill, "prefill", seed=26)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    decode, prefill = stream(brokers.decode), stream(brokers.prefill)
+    try:
+        before = dst.segment.array.copy()
+        following = decode.expect_watch(offer_request(dst, src, request_id, {MAIN: [7, 8, 9]}), 30, 10)
+        assert (await anext(following)).state == pb.TRANSFER_STATE_PENDING
+        sender_watch = prefill.watch(bpb.WatchTransferRequest(engine_id=src.engine_id, request_id=request_id,
+                                                              terminal_only=True, offer_wait_ms=10_000), 30)
+        watching = asyncio.ensure_future(anext(sender_watch))
+        await until(lambda: prefill.commands_sent == 1)  # the watch went first
+        last = part_request(src, request_id, {MAIN: [1, 2, 3]}, aux=b"token 9")
+        last.end_watches = True
+        done = await prefill.command("transfer", last, 30)
+        assert done.transfer.status.state == pb.TRANSFER_STATE_SUCCEEDED
+        ended = await asyncio.wait_for(watching, 10)
+        assert (ended.state, ended.parts, ended.pages) == (pb.TRANSFER_STATE_SUCCEEDED, 1, 3)
+        with pytest.raises(StopAsyncIteration):
+            await anext(sender_watch)
+        received = [s async for s in following]
+        assert [(s.state, s.aux) for s in received] == [(pb.TRANSFER_STATE_SUCCEEDED, b"token 9")]
+        assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, [1, 2, 3], [7, 8, 9])]))
+        await decode.ping(10)
+        await prefill.ping(10)
+        assert (decode.commands_sent, decode.replies_read) == (2, 3)
+        assert (prefill.commands_sent, prefill.replies_read) == (3, 2)
+        assert prefill.cancels_sent == decode.cancels_sent == 0  # nothing was left to cancel
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_part_that_fails_leaves_the_watch_its_own_end(brokers, engines, request_id):
+    """end_watches takes effect on SUCCEEDED only: after a last part refused (a component the
+    grant lacks), prefill's watch still ends with the request's own terminal status, here decode's cancel."""
+    src = await engines.make(brokers.prefill, "prefill", seed=27)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    decode, prefill = stream(brokers.decode), stream(brokers.prefill)
+    try:
+        before = dst.segment.array.copy()
+        following = decode.expect_watch(offer_request(dst, src, request_id, {MAIN: [7, 8]}), 30, 10)
+        assert (await anext(following)).state == pb.TRANSFER_STATE_PENDING
+        sender_watch = prefill.watch(bpb.WatchTransferRequest(engine_id=src.engine_id, request_id=request_id,
+                                                              terminal_only=True, offer_wait_ms=10_000), 30)
+        watching = asyncio.ensure_future(anext(sender_watch))
+        await until(lambda: prefill.commands_sent == 1)
+        last = part_request(src, request_id, {MAIN: [1, 2], INDEX: [1, 2]})  # INDEX: not in the grant
+        last.end_watches = True
+        with pytest.raises(BrokerError):
+            await prefill.command("transfer", last, 30)
+        await dst.stub.CancelTransfer(bpb.CancelTransferRequest(engine_id=dst.engine_id, request_id=request_id,
+                                                                reason="test"), timeout=10)
+        ended = await asyncio.wait_for(watching, 10)
+        assert ended.state == pb.TRANSFER_STATE_FAILED
+        assert [s.state async for s in following] == [pb.TRANSFER_STATE_FAILED]
+        assert_bytes(dst, before)
+    finally:
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_grant_command_is_refused_or_ends_at_its_deadline_as_its_two_calls_would(brokers, engines, request_id):
+    """expect_watch refused as ExpectTransfer is (one error, the command's only reply); past its
+    deadline the grant's watch ends DEADLINE_EXCEEDED while the grant lives on."""
+    src = await engines.make(brokers.prefill, "prefill", seed=28)
+    dst = await engines.make(brokers.decode, "decode", fill="canary")
+    decode = stream(brokers.decode)
+    try:
+        bad = offer_request(dst, src, request_id, {MAIN: [7, 7]})
+        with pytest.raises(BrokerError) as info:
+            await anext(decode.expect_watch(bad, 30, 10))
+        assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT and "more than once" in str(info.value)
+        following = decode.expect_watch(offer_request(dst, src, request_id, {MAIN: [7, 8]}), 0.5, 10)
+        assert (await anext(following)).state == pb.TRANSFER_STATE_PENDING
+        with pytest.raises(BrokerError) as info:
+            await anext(following)
+        assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        watcher = decode.watch(bpb.WatchTransferRequest(engine_id=dst.engine_id, request_id=request_id), 10)
+        assert (await anext(watcher)).state == pb.TRANSFER_STATE_PENDING  # the grant lives on
+        await watcher.aclose()
+    finally:
+        await decode.close()
 
 
 async def test_a_watch_sends_each_part_each_state_or_only_the_end_as_asked(brokers, engines, request_id):

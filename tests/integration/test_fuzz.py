@@ -9,7 +9,8 @@ the canary only where a granted transfer that succeeded wrote (or, for a transfe
 may cut short after its write, where the grant allowed). After each test a legitimate
 transfer into the canary engine still moves every byte. One test plays a lying peer broker; one
 holds engines under OpenSession streams and ends them under registrations, grants and transfers;
-one sends watches, pings and cancels (good, bad and floods of them) on Exchange streams.
+one sends watches, grants followed to their end (expect_watch), pings and cancels (good, bad and
+floods of them) on Exchange streams.
 
 Hypothesis drives synchronous code, so each test runs its @given function in a worker thread
 with blocking stubs while the session loop keeps draining the brokers' pipes. Examples are
@@ -505,9 +506,10 @@ WATCH_TIMEOUTS_MS = st.sampled_from([0, 0, 1, 50, 200])
 
 
 def last_reply(reply: bpb.ExchangeResponse) -> bool:
-    """Whether `reply` is its command's last: an error, a pong, a cancel's answer, a terminal status."""
+    """Whether `reply` is its command's last: an error, a pong, a cancel's answer, a terminal status
+    (an expect_watch's `expect` reply is followed by its watch's end)."""
     kind = reply.WhichOneof("reply")
-    return kind != "watch" or reply.watch.status.state in TERMINAL
+    return kind not in ("watch", "expect") or (kind == "watch" and reply.watch.status.state in TERMINAL)
 
 
 def cancel_target(data, kind: str, upcoming: int) -> int:
@@ -595,11 +597,13 @@ class ExchangeExample:
 
 
 async def test_fuzz_exchange_cancel(world):
-    """Per example, on one Exchange stream: watches (drawn, maybe mutated, with deadlines or none) and
-    pings, interleaved with cancels naming a command of the stream (in flight or ended), one never
-    sent, one sent later, 0, the cancel itself, or floods of them; then a cancel of every watch. Each
-    command gets exactly one last reply, each cancel exactly one answer, as the cancel's rules say;
-    the broker stays alive and serving."""
+    """Per example, on one Exchange stream: watches (drawn, maybe mutated, with deadlines or none),
+    grants followed to their end (expect_watch: offered to the prefill broker, maybe mutated, with
+    short expiries and deadlines; nothing writes into them) and pings, interleaved with cancels
+    naming a command of the stream (in flight or ended), one never sent, one sent later, 0, the
+    cancel itself, or floods of them; then a cancel of every watch and grant. Each command gets
+    exactly one last reply, each cancel exactly one answer, as the cancel's rules say; the broker
+    stays alive and serving."""
     @FUZZ
     @given(st.data(), st.sampled_from(["decode", "decode", "decode", "prefill"]))
     def run(fuzzer, data, where):
@@ -609,7 +613,7 @@ async def test_fuzz_exchange_cancel(world):
         try:
             watches = []
             for _ in range(data.draw(st.integers(1, 10), label="steps")):
-                step = data.draw(st.sampled_from(["watch", "watch", "ping", "cancel", "cancel", "flood"]))
+                step = data.draw(st.sampled_from(["watch", "watch", "grant", "ping", "cancel", "cancel", "flood"]))
                 if step == "watch":  # mostly of the pending grant, which no watch sees end
                     seed = bpb.WatchTransferRequest(
                         engine_id=data.draw(st.sampled_from([here.engine_id] * 3 + [there.engine_id])),
@@ -618,6 +622,17 @@ async def test_fuzz_exchange_cancel(world):
                     request = mutated(data, seed, w.known, most=1)
                     request.offer_wait_ms = min(request.offer_wait_ms, 50)
                     watches.append(example.send("watch", watch=request, timeout_ms=data.draw(WATCH_TIMEOUTS_MS)))
+                elif step == "grant":  # ids no transfer of the fuzzer draws: nothing writes into them
+                    seed = bpb.ExpectTransferRequest(
+                        request_id=f"ew-{next(w.numbers)}", engine_id=here.engine_id,
+                        pages=[pb.ComponentPages(component=pb.COMPONENT_MAIN_KV, page_ids=data.draw(PAGES))],
+                        sender_address=w.prefill.peer_address, sender_engine_id=w.src.engine_id,
+                        expiry_ms=data.draw(st.sampled_from([1, 50, 200])))
+                    request = mutated(data, seed, w.known, most=1)
+                    request.request_id = seed.request_id
+                    request.sender_address = seed.sender_address
+                    watches.append(example.send("expect_watch", expect_watch=request,
+                                                timeout_ms=data.draw(WATCH_TIMEOUTS_MS)))
                 elif step == "ping":
                     example.send("ping", ping=bpb.ExchangePing(payload=data.draw(st.binary(max_size=64))))
                 else:  # a flood: distinct unknown ids, or the same target again and again

@@ -91,7 +91,7 @@ class ExpectTransferResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[TransferStatus, _Mapping]] = ...) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("request_id", "engine_id", "peer_address", "remote_engine_id", "components", "src_page_ids", "dst_page_ids", "pages", "more_parts", "aux", "receiver_broker_id")
+    __slots__ = ("request_id", "engine_id", "peer_address", "remote_engine_id", "components", "src_page_ids", "dst_page_ids", "pages", "more_parts", "aux", "receiver_broker_id", "end_watches")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class TransferRequest(_message.Message):
     MORE_PARTS_FIELD_NUMBER: _ClassVar[int]
     AUX_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_BROKER_ID_FIELD_NUMBER: _ClassVar[int]
+    END_WATCHES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     engine_id: str
     peer_address: str
@@ -114,7 +115,8 @@ class TransferRequest(_message.Message):
     more_parts: bool
     aux: bytes
     receiver_broker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PartPages, _Mapping]]] = ..., more_parts: _Optional[bool] = ..., aux: _Optional[bytes] = ..., receiver_broker_id: _Optional[str] = ...) -> None: ...
+    end_watches: bool
+    def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., remote_engine_id: _Optional[str] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., src_page_ids: _Optional[_Iterable[int]] = ..., dst_page_ids: _Optional[_Iterable[int]] = ..., pages: _Optional[_Iterable[_Union[PartPages, _Mapping]]] = ..., more_parts: _Optional[bool] = ..., aux: _Optional[bytes] = ..., receiver_broker_id: _Optional[str] = ..., end_watches: _Optional[bool] = ...) -> None: ...
 
 class PartPages(_message.Message):
     __slots__ = ("component", "src_page_ids", "dst_offset")
@@ -284,7 +286,7 @@ class TransferStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.TransferRole, str]] = ..., state: _Optional[_Union[_common_pb2.TransferState, str]] = ..., code: _Optional[int] = ..., reason: _Optional[str] = ..., pages: _Optional[int] = ..., runs: _Optional[int] = ..., bytes: _Optional[int] = ..., truncated_pages: _Optional[int] = ..., duration_us: _Optional[int] = ..., components: _Optional[_Iterable[_Union[_common_pb2.Component, str]]] = ..., aux: _Optional[bytes] = ..., parts: _Optional[int] = ...) -> None: ...
 
 class ExchangeRequest(_message.Message):
-    __slots__ = ("command_id", "timeout_ms", "transfer", "expect", "watch", "ping", "cancel")
+    __slots__ = ("command_id", "timeout_ms", "transfer", "expect", "watch", "ping", "cancel", "expect_watch")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_FIELD_NUMBER: _ClassVar[int]
@@ -292,6 +294,7 @@ class ExchangeRequest(_message.Message):
     WATCH_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_WATCH_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     timeout_ms: int
     transfer: TransferRequest
@@ -299,7 +302,8 @@ class ExchangeRequest(_message.Message):
     watch: WatchTransferRequest
     ping: ExchangePing
     cancel: ExchangeCancel
-    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferRequest, _Mapping]] = ..., expect: _Optional[_Union[ExpectTransferRequest, _Mapping]] = ..., watch: _Optional[_Union[WatchTransferRequest, _Mapping]] = ..., ping: _Optional[_Union[ExchangePing, _Mapping]] = ..., cancel: _Optional[_Union[ExchangeCancel, _Mapping]] = ...) -> None: ...
+    expect_watch: ExpectTransferRequest
+    def __init__(self, command_id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., transfer: _Optional[_Union[TransferRequest, _Mapping]] = ..., expect: _Optional[_Union[ExpectTransferRequest, _Mapping]] = ..., watch: _Optional[_Union[WatchTransferRequest, _Mapping]] = ..., ping: _Optional[_Union[ExchangePing, _Mapping]] = ..., cancel: _Optional[_Union[ExchangeCancel, _Mapping]] = ..., expect_watch: _Optional[_Union[ExpectTransferRequest, _Mapping]] = ...) -> None: ...
 
 class ExchangeCancel(_message.Message):
     __slots__ = ("command_id",)

@@ -154,7 +154,8 @@ class BrokerServiceServicer:
     def Exchange(self, request_iterator, context):
         """One long-lived command stream between an inference server and its broker: Transfer parts,
         ExpectTransfer grants and WatchTransfer subscriptions as messages, each answered on the way back
-        under the id the client gave it, so that a request pays no call set-up per part or watch. Each
+        under the id the client gave it, so that a request pays no call set-up per part or watch (and,
+        with expect_watch and end_watches, one message per step: see those fields). Each
         command is checked and run exactly as its unary RPC (same codes, same messages); commands run
         concurrently, at most the broker's max_exchange_commands at once per stream (more are refused
         RESOURCE_EXHAUSTED, each on its own). When the stream ends, for any reason, every request an
