@@ -13,6 +13,11 @@ The decode-initiated (offered) flow, as a PD server runs it:
                                last=True)                                      # the last part
     status = await client.wait(engine_id, request_id)                          # decode: status.aux on SUCCEEDED
 
+or, on decode, the grant and its end as one command (what the adapters use):
+
+    async for status in client.expect_and_watch(engine_id, request_id, {...}, sender_address=...):
+        ...                                                                    # PENDING, then the end
+
 The claimed flow, where the sender names the receiver:
 
     await client.expect_transfer(engine_id, request_id, dst_page_ids=dst_ids)  # decode side: the grant
@@ -59,7 +64,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -253,11 +258,28 @@ class BrokerClient:
         reply = await self._unary("ExpectTransfer", request, deadline(timeout, self.timeout))
         return TransferStatus.from_proto(reply.status)
 
+    async def expect_and_watch(self, engine_id: str, request_id: str, dst_pages: Mapping[ComponentLike, PageIds], *,
+                               sender_address: str, sender_engine_id: str = "", expiry_s: float | None = None,
+                               src_offsets: Mapping[ComponentLike, int] | None = None, timeout: float | None = None,
+                               watch_timeout: float | None = None) -> AsyncGenerator[TransferStatus, None]:
+        """The offered flow's grant and its end as one command: yields the grant's status (as
+        `expect_transfer` returns it, within `timeout`), then the request's terminal status (within
+        `watch_timeout`, transfer_timeout by default; past it DeadlineExceeded, and the request goes
+        on: watch it again). SUCCEEDED carries the sender's aux. On the Exchange stream it is one
+        command (two replies); elsewhere `expect_transfer` and a terminal-only `watch`."""
+        request = requests.grant_request(engine_id, request_id, dst_pages, dst_page_ids=(), components=(),
+                                         src_offsets=src_offsets, sender_address=sender_address,
+                                         sender_engine_id=sender_engine_id, expiry_s=expiry_s)
+        async for status in self._calls.expect_watch(request, deadline(timeout, self.timeout),
+                                                     deadline(watch_timeout, self.transfer_timeout)):
+            yield status
+
     async def transfer_part(self, engine_id: str, request_id: str,
                             src_pages: Mapping[ComponentLike, PageIds] | None = None, *, last: bool | None = None,
                             dst_offsets: Mapping[ComponentLike, int] | None = None, aux: bytes = b"",
                             receiver_broker_id: str = "", timeout: float | None = None,
-                            pages: Mapping[ComponentLike, PageIds] | None = None) -> TransferStatus:
+                            pages: Mapping[ComponentLike, PageIds] | None = None,
+                            end_watches: bool | None = None) -> TransferStatus:
         """Sender side of the offered flow: write one part of a grant the receiver offered to this
         broker; returns once the receiver was told (after the last part: the request's final state).
 
@@ -267,14 +289,18 @@ class BrokerClient:
         carry `aux` bytes for the receiver. If the offer has not reached this broker yet, the broker
         waits for it (bounded by its offer_wait_s). `receiver_broker_id` names the receiving broker
         (its broker id) whose offer the part is for; empty takes the one offer for the request id,
-        refused while several receivers offered it.
+        refused while several receivers offered it. On the Exchange stream the last part's SUCCEEDED
+        reply is also the last status of this client's watches of the request (the broker sends
+        them none of their own: one message for the request's end); `end_watches=False` leaves
+        them their own.
 
         Deprecated, kept for a release: `pages=` (now `src_pages=`), and leaving out `last` (it
         meant last=True); each warns (DeprecationWarning).
         """
         src_pages, last = requests.part_pages_of_old(src_pages, last, pages)
         request = requests.part_request(engine_id, request_id, src_pages, last=last, dst_offsets=dst_offsets,
-                                        aux=aux, receiver_broker_id=receiver_broker_id)
+                                        aux=aux, receiver_broker_id=receiver_broker_id,
+                                        end_watches=last if end_watches is None else end_watches)
         reply = await self._unary("Transfer", request, deadline(timeout, self.transfer_timeout),
                                   retry_unavailable=False)
         return TransferStatus.from_proto(reply.status)

@@ -6,6 +6,11 @@ while the broker offers the stream:
   or the typed error (kvbroker_client.errors) of the ExchangeError the broker answered;
 - `watch(request, timeout)`: the statuses of one request, ending after a terminal one; the broker
   ends the watch at the same deadline (timeout_ms);
+- `expect_watch(request, timeout, first_timeout)`: an ExpectTransfer and its grant's end as one
+  command: the grant's status, then its terminal one;
+- a transfer command with `end_watches` whose reply is SUCCEEDED ends this stream's watches of its
+  request: the broker sends them nothing more, and the reader hands each that reply's status as its
+  last, before the transfer's caller sees the reply;
 - `close()`.
 Each command goes out under an id of its own, and one reader task hands each reply to its caller.
 A caller that stops waiting before the command's last reply (its deadline passed, it was
@@ -59,15 +64,15 @@ class Exchange:
         self._open_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()  # grpc takes one write at a time
         self._ids = itertools.count(1)
-        self._pending: dict[int, asyncio.Future[bpb.ExchangeResponse]] = {}
-        self._watches: dict[int, asyncio.Queue[bpb.ExchangeResponse | BaseException]] = {}
+        w = self._waiters = _Waiters()
+        self._pending, self._watches, self._watched, self._enders = w.pending, w.watches, w.watched, w.enders
         self._cancels: set[asyncio.Task] = set()  # cancels of commands their callers left, on their way
-        self.streams_opened = 0
-        self.cancels_sent = 0
+        self.streams_opened = self.cancels_sent = 0
+        self.commands_sent = 0  # messages written on the stream (cancels included)
+        self.replies_read = 0  # messages read from it
 
     async def cancels_answered(self, timeout: float) -> bool:
-        """Wait up to `timeout` until every cancel of a left command has been answered (or given up on);
-        whether they all were."""
+        """Whether every cancel of a left command was answered (or given up on) within `timeout`."""
         if self._cancels:
             await asyncio.wait(list(self._cancels), timeout=timeout)
         return not self._cancels
@@ -77,6 +82,8 @@ class Exchange:
         command_id = next(self._ids)
         future: asyncio.Future[bpb.ExchangeResponse] = asyncio.get_running_loop().create_future()
         self._pending[command_id] = future
+        if kind == "transfer" and request.end_watches:
+            self._enders[command_id] = (request.engine_id, request.request_id)
         call = None
         try:
             call = await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout),
@@ -87,6 +94,7 @@ class Exchange:
                 raise DeadlineExceeded(f"no answer to the {kind} command within {timeout:.3g}s") from None
         finally:
             self._pending.pop(command_id, None)
+            self._enders.pop(command_id, None)
             if call is not None and not future.done():
                 self._abandon(call, command_id)
         if reply.WhichOneof("reply") == "error":
@@ -97,36 +105,53 @@ class Exchange:
         """A bare message and its answer (the stream's own cost)."""
         await self.command("ping", bpb.ExchangePing(payload=payload), timeout)
 
-    async def watch(self, request: bpb.WatchTransferRequest,
-                    timeout: float) -> AsyncGenerator[bpb.TransferStatus, None]:
+    def watch(self, request: bpb.WatchTransferRequest, timeout: float) -> AsyncGenerator[bpb.TransferStatus, None]:
         """The request's statuses on this stream, until a terminal one; StreamBroken if it breaks first."""
+        return self._followed("watch", request, timeout, timeout)
+
+    def expect_watch(self, request: bpb.ExpectTransferRequest, timeout: float,
+                     first_timeout: float) -> AsyncGenerator[bpb.TransferStatus, None]:
+        """The grant's status (its ExpectTransfer's reply, within `first_timeout`), then its terminal status."""
+        return self._followed("expect_watch", request, timeout, first_timeout)
+
+    async def _followed(self, kind: str, request, timeout: float,
+                        first_timeout: float) -> AsyncGenerator[bpb.TransferStatus, None]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        first_by = min(deadline, loop.time() + first_timeout)
         command_id = next(self._ids)
         queue: asyncio.Queue[bpb.ExchangeResponse | BaseException] = asyncio.Queue()
-        self._watches[command_id] = queue
-        call, ended = None, False
+        self._watches[command_id], self._watched[command_id] = queue, (request.engine_id, request.request_id)
+        call, ended, replies = None, False, 0
         try:
-            call = await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout), watch=request),
-                                    timeout)
+            call = await self._send(bpb.ExchangeRequest(command_id=command_id, timeout_ms=_ms(timeout),
+                                                        **{kind: request}), timeout)
             while True:
+                by = deadline if replies else first_by
                 try:
-                    item = await asyncio.wait_for(queue.get(), max(0.0, deadline - loop.time()))
+                    item = await asyncio.wait_for(queue.get(), max(0.0, by - loop.time()))
                 except TimeoutError:
-                    raise DeadlineExceeded(f"the watch of request {request.request_id!r} did not end within "
-                                           f"{timeout:.3g}s") from None
+                    if replies or kind == "watch":
+                        raise DeadlineExceeded(f"the watch of request {request.request_id!r} did not end within "
+                                               f"{timeout:.3g}s") from None
+                    raise DeadlineExceeded(f"no answer to the grant of request {request.request_id!r} within "
+                                           f"{first_timeout:.3g}s") from None
+                replies += 1
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
-                if item.WhichOneof("reply") == "error":
+                which = item.WhichOneof("reply")
+                if which == "error":
                     ended = True
                     raise _error(item.error)
-                ended = item.watch.status.state in _TERMINAL
-                yield item.watch.status
+                status = item.expect.status if which == "expect" else item.watch.status
+                ended = which == "watch" and status.state in _TERMINAL
+                yield status
                 if ended:
                     return
         finally:
             self._watches.pop(command_id, None)
+            self._watched.pop(command_id, None)
             if call is not None and not ended:
                 self._abandon(call, command_id)
 
@@ -150,6 +175,7 @@ class Exchange:
                     await call.write(bpb.ExchangeRequest(command_id=cancel_id,
                                                          cancel=bpb.ExchangeCancel(command_id=command_id)))
                 self.cancels_sent += 1
+                self.commands_sent += 1
                 reply = await future
             # NOT_FOUND: the command ended as the cancel went out
             log.debug("command %d cancelled on %s: %s", command_id, self._target, reply.WhichOneof("reply"))
@@ -168,6 +194,7 @@ class Exchange:
         try:
             async with self._write_lock:
                 await call.write(message)
+            self.commands_sent += 1
             return call
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
             # the stream ended under the write: the reader tells every caller why, this one included
@@ -213,11 +240,8 @@ class Exchange:
         """Hand every reply to its caller until the stream ends; then fail whatever is in flight."""
         try:
             while (reply := await call.read()) is not grpc.aio.EOF:
-                if (future := self._pending.pop(reply.command_id, None)) is not None:
-                    if not future.done():
-                        future.set_result(reply)
-                elif (queue := self._watches.get(reply.command_id)) is not None:
-                    queue.put_nowait(reply)
+                self.replies_read += 1
+                self._waiters.hand(reply)
             error: BaseException = StreamBroken(f"the broker at {self._target} ended the Exchange stream")
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNIMPLEMENTED:
@@ -250,6 +274,38 @@ class Exchange:
         if reader is not None:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
+
+
+class _Waiters:
+    """Who waits for which reply on one Exchange: a command's future, a watch's queue (by command_id),
+    and which watches a transfer with end_watches ends with its SUCCEEDED reply."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, asyncio.Future[bpb.ExchangeResponse]] = {}
+        self.watches: dict[int, asyncio.Queue[bpb.ExchangeResponse | BaseException]] = {}
+        self.watched: dict[int, tuple[str, str]] = {}  # watch command -> its (engine_id, request_id)
+        self.enders: dict[int, tuple[str, str]] = {}  # transfer command with end_watches -> its request
+
+    def hand(self, reply: bpb.ExchangeResponse) -> None:
+        """One reply to its caller (a reply to no one in flight, e.g. after its caller left, is dropped)."""
+        if (future := self.pending.pop(reply.command_id, None)) is not None:
+            if reply.command_id in self.enders:
+                self._end_watches(reply)
+            if not future.done():
+                future.set_result(reply)
+        elif (queue := self.watches.get(reply.command_id)) is not None:
+            queue.put_nowait(reply)
+
+    def _end_watches(self, reply: bpb.ExchangeResponse) -> None:
+        """A transfer with end_watches answered: a SUCCEEDED reply is the last message of this stream's
+        watches of its request (the broker sends them none)."""
+        key = self.enders.pop(reply.command_id)
+        if reply.WhichOneof("reply") != "transfer" or reply.transfer.status.state != pb.TRANSFER_STATE_SUCCEEDED:
+            return
+        for command_id, watched in list(self.watched.items()):
+            if watched == key and (queue := self.watches.get(command_id)) is not None:
+                queue.put_nowait(bpb.ExchangeResponse(command_id=command_id,
+                                                      watch=bpb.WatchTransferResponse(status=reply.transfer.status)))
 
 
 def _ms(timeout: float) -> int:

@@ -83,14 +83,14 @@ def grant_request(engine_id: str, request_id: str, dst_pages: Mapping[ComponentL
 
 def part_request(engine_id: str, request_id: str, src_pages: Mapping[ComponentLike, PageIds], *, last: bool,
                  dst_offsets: Mapping[ComponentLike, int] | None, aux: bytes,
-                 receiver_broker_id: str) -> bpb.TransferRequest:
+                 receiver_broker_id: str, end_watches: bool | None = None) -> bpb.TransferRequest:
     """One part of the offered flow: source pages per component, each landing from its dst_offset."""
     offsets = {Component.of(c): int(o) for c, o in (dst_offsets or {}).items()}
     if stray := sorted(c.name for c in set(offsets) - {Component.of(c) for c in src_pages}):
         raise InvalidArgument(f"dst_offsets: {', '.join(stray)} not in src_pages")
     return bpb.TransferRequest(
         request_id=request_id, engine_id=engine_id, more_parts=not last, aux=bytes(aux),
-        receiver_broker_id=receiver_broker_id,
+        receiver_broker_id=receiver_broker_id, end_watches=last if end_watches is None else end_watches,
         pages=[bpb.PartPages(component=Component.of(c).value,
                              src_page_ids=page_ids(ids, f"src_pages[{Component.of(c).name}]"),
                              dst_offset=offsets.get(Component.of(c), 0))
