@@ -2,7 +2,7 @@
 own mooncake backend, in one run, on the same prompts; and where a kvbroker request's time goes.
 
     scripts/in-netns.sh .venv/bin/python benchmarks/serving.py [--out FILE] [--engines nixl,mooncake]
-                                                               [--model llama|minimax]
+                                                               [--model llama|minimax] [--no-trace]
 
 Each deployment is SGLang's router over a prefill and a decode server (tiny Llama, random weights,
 built locally; tooling/src/kvbroker_tools/serving) started one after another and all kept up; kvbroker's have
@@ -11,7 +11,8 @@ a broker per server. TTFT: the same prompts sent to each deployment in turn, one
 the first streamed token, with the other deployments paused (SIGSTOP; `--no-pause-others` keeps them
 running: an idle SGLang scheduler spins on a core, and on 2 cores the idle deployment's two took CPU
 from the measured one). Requests/s: a batch sent at once to one deployment, then the next. Then,
-with the trace on (KVBROKER_SERVING_TRACE, tooling/src/kvbroker_tools/serving/trace.py), a kvbroker request's
+unless `--no-trace` (the trace's ~45 events per kvbroker request bias the ratio against it), with the
+trace on (KVBROKER_SERVING_TRACE, tooling/src/kvbroker_tools/serving/trace.py), a kvbroker request's
 steps as each process logged them, in ms from the router post; and the median of each step over
 every TTFT sample (`timeline_medians`: the trace is on throughout), and per sample (`each`) when
 decode waited, saw Success and streamed the first token, and the garbage collections of 2 ms or
@@ -134,7 +135,10 @@ async def run(args: argparse.Namespace) -> dict:
     model, target = setup["path"], TARGETS[args.model]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvbroker-serving-bench-"))
     trace_dir = log_dir / "trace"
-    os.environ["KVBROKER_SERVING_TRACE"] = str(trace_dir)
+    if args.trace:
+        os.environ["KVBROKER_SERVING_TRACE"] = str(trace_dir)
+    else:
+        os.environ.pop("KVBROKER_SERVING_TRACE", None)
     labels = [f"kvbroker-{e}" for e in args.engines.split(",") if e] + ["mooncake"]
     prompts = client.prompts(args.requests, args.prompt_tokens, seed=2026)
     batch = client.prompts(args.batch, args.prompt_tokens, seed=2027)
@@ -149,11 +153,11 @@ async def run(args: argparse.Namespace) -> dict:
         for label, url in urls.items():
             compare.only(pausing, label)
             rates[label] = await compare.throughput(http, url, batch, args.tokens)
-            if label.startswith("kvbroker"):
+            if label.startswith("kvbroker") and args.trace:
                 timelines[label] = await traced_request(http, url, prompts[0], args.tokens, trace_dir)
     from kvbroker_tools.serving import trace
 
-    medians = median_timeline(trace.read(trace_dir), series)
+    medians = median_timeline(trace.read(trace_dir), series) if args.trace else {}
     same = all(series[label].answers == series["mooncake"].answers for label in labels)
     moon = series["mooncake"].median_ms
     ttft = {label: compare.ttft_summary(s) for label, s in series.items()}
@@ -170,6 +174,7 @@ async def run(args: argparse.Namespace) -> dict:
                   "a token; deployments interleaved request by request, two warm-up requests each first. "
                   "requests/s: the batch sent at once, wall time until the last answer.",
         "others_paused": args.pause_others,
+        "traced": args.trace,
         "same_tokens_on_every_backend": same,
         "ttft": ttft,
         "ttft_median_ratio_vs_mooncake": ratios,
@@ -195,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pause-others", dest="pause_others", action="store_false",
                         help="keep every deployment running while one is measured (by default the others are "
                              "SIGSTOPped: their idle schedulers spin and take the cores)")
+    parser.add_argument("--no-trace", dest="trace", action="store_false",
+                        help="no trace (its ~45 events per request cost every traced process CPU): the unbiased "
+                             "TTFT ratio, without the timelines")
     args = parser.parse_args(argv)
     from kvbroker_tools.serving import compare
 

@@ -52,7 +52,7 @@ LOOPS = ("uvloop", "asyncio")
 async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
     from kvbroker_client.shm import SharedSegment
 
-    runs, floor, exchange = [], [], []
+    runs, floor, exchange, followed = [], [], [], []
     placements = shapes.place_buffers(BENCH_CONTROL)
     size = shapes.pool_size(BENCH_CONTROL, placements)
     for side in sides:
@@ -69,6 +69,7 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                     config = {"prefill": side.prefill.listen, "decode": side.decode.listen,
                               "peer": side.decode.peer_listen, "prefill_peer": side.prefill.peer_listen,
                               "prefill_metrics": side.prefill.metrics_listen, "prefill_engine": engines[0],
+                              "decode_metrics": side.decode.metrics_listen,
                               "decode_engine": engines[1], "concurrency": list(plan.concurrency),
                               "seconds": plan.control_seconds, "warmup_s": plan.control_warmup_s,
                               "loop": loop_name, "tag": f"{side.backend}-{loop_name}",
@@ -78,13 +79,15 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                     child = await Child.start("control", json.dumps(config))
                     try:
                         per_level = plan.control_seconds + plan.control_warmup_s + 30
-                        budget = len(plan.concurrency) * (3 + len(FLOWS)) * per_level + 60  # + ping, streamed
+                        # + ping, streamed, the two followed ways
+                        budget = len(plan.concurrency) * (5 + len(FLOWS)) * per_level + 60
                         report = await child.reply(timeout=budget)
                     finally:
                         await child.stop()
                     for r in report["rpc_floor"]:
                         floor.append({"backend": side.backend, "client_loop": loop_name, **r})
                     exchange += [{"backend": side.backend, "client_loop": loop_name, **r} for r in report["exchange"]]
+                    followed += [{"backend": side.backend, "client_loop": loop_name, **r} for r in report["followed"]]
                     for r in report["results"]:
                         runs.append({"backend": side.backend, "client_loop": loop_name,
                                      "client_loop_class": report["loop"], **r})
@@ -109,7 +112,7 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                    "request_ms": "grant + Transfer, one request's whole time",
                    "requests_per_s": "whole requests (grant + Transfer) completed in the window per second",
                    "order": "per concurrency level: floor, claimed, offered, then (exchange) ping and streamed, "
-                            "each its own window"},
+                            "then followed and followed_apart, each its own window"},
         "notify": "offered rows: the prefill broker's NotifyParts calls and notices in the window "
                   "(kvbroker_peer_notify_calls_total, kvbroker_peer_part_notices_total)",
         "varied": "the client's event loop (uvloop or asyncio's default), in its own process; "
@@ -122,6 +125,13 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                        "flow's request with its ExpectTransfer and its part as commands on the two clients' streams "
                        "(kvbroker_tools/bench_exchange.py); transfer_ms is the part, ping.call_ms the bare message; "
                        "`unary` repeats the same level's offered row, measured just before",
+        "followed": followed,
+        "followed_is": "per level, after the exchange rows, on the same streams: the offered flow's one-page request "
+                       "with the watches the adapters keep (prefill's end from before the grant, decode's end), as "
+                       "`followed` (one message per step: expect_watch, end_watches) and `followed_apart` (the same "
+                       "steps as separate commands, as before); messages_per_request: gRPC messages each broker's "
+                       "ports read and wrote per request, per port and method, from kvbroker_grpc_messages_total "
+                       "(kvbroker_tools/bench_messages.py)",
         "rpc_floor": floor,
         "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer; "
                         "measured at every concurrency level, just before that level's flows",

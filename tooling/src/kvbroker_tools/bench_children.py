@@ -10,7 +10,8 @@ JSON lines on stdout (whatever a library prints goes to stderr):
   offered to the prefill broker, then one part) in a loop from concurrent workers on one event
   loop (uvloop or asyncio's), with the CPU each broker and the client spent and the prefill
   broker's NotifyParts calls and notices, then the same offered request on the Exchange stream
-  beside a bare message on it (bench_exchange.py); answers once, with its report.
+  beside a bare message on it (bench_exchange.py), and the request as the adapters follow it, with
+  the messages it costs (bench_messages.py); answers once, with its report.
 Called by bench.py's sections only.
 """
 
@@ -242,7 +243,17 @@ async def _offered(config: dict, prefill, decode, rid: str, page: int) -> tuple[
     return t1 - t0, t2 - t1
 
 
-REQUESTS = {"claimed": _claimed, "offered": _offered}
+async def _followed(config: dict, prefill, decode, rid: str, page: int) -> tuple[float, float]:
+    from kvbroker_tools import bench_messages
+    return await bench_messages.followed(config, prefill, decode, rid, page)
+
+
+async def _followed_apart(config: dict, prefill, decode, rid: str, page: int) -> tuple[float, float]:
+    from kvbroker_tools import bench_messages
+    return await bench_messages.followed(config, prefill, decode, rid, page, apart=True)
+
+
+REQUESTS = {"claimed": _claimed, "offered": _offered, "followed": _followed, "followed_apart": _followed_apart}
 
 
 async def _control_worker(config: dict, flow: str, prefill, decode, window: Window, concurrency: int,
@@ -278,14 +289,14 @@ async def _control_child(config: dict) -> dict:
     """Per concurrency level, side by side: the floor (bare GetBrokerInfo), the claimed flow and the
     offered flow, each a window of `seconds` after `warmup_s`; then each flow against the floor."""
     from kvbroker_client.client import BrokerClient
-    from kvbroker_tools import bench_exchange
+    from kvbroker_tools import bench_exchange, bench_messages
 
     loop = asyncio.get_running_loop()
     prefill = await BrokerClient.connect(config["prefill"], exchange=False)  # the unary calls
     decode = await BrokerClient.connect(config["decode"], exchange=False)
     s_prefill = await BrokerClient.connect(config["prefill"])  # the same on the Exchange stream
     s_decode = await BrokerClient.connect(config["decode"])
-    results, floor, exchange = [], [], []
+    results, floor, exchange, followed = [], [], [], []
     tools = bench_exchange.Windows(Window, _control_worker, _cpu_over, _flow_row, _percentiles)
     try:
         for concurrency in config["concurrency"]:
@@ -310,12 +321,14 @@ async def _control_child(config: dict) -> dict:
             offered = next((r for r in results if r["flow"] == "offered" and r["concurrency"] == concurrency), None)
             exchange.append(await bench_exchange.level(tools, config, concurrency, s_prefill, s_decode, floor[-1],
                                                        offered))
+            if config.get("decode_metrics"):
+                followed += await bench_messages.level(tools, config, concurrency, s_prefill, s_decode)
     finally:
         for client in (prefill, decode, s_prefill, s_decode):
             await client.close()
     _against(results, floor)
     return {"loop": f"{type(loop).__module__}.{type(loop).__name__}", "results": results, "rpc_floor": floor,
-            "exchange": exchange}
+            "exchange": exchange, "followed": followed}
 
 
 def _flow_row(flow: str, concurrency: int, seconds: float, window: Window, cpu: dict) -> dict:
@@ -370,14 +383,10 @@ NOTIFY_COUNTERS = {"calls": "kvbroker_peer_notify_calls_total", "notices": "kvbr
 
 def _notify_counters(metrics_listen: str) -> dict[str, float]:
     """The sender broker's NotifyParts calls and part notices so far, from its /metrics."""
-    import urllib.request
+    from kvbroker_tools.bench_messages import samples
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{metrics_listen}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-    return {key: samples.get(name, 0.0) for key, name in NOTIFY_COUNTERS.items()}
+    values = {s.name: s.value for s in samples(metrics_listen)}
+    return {key: values.get(name, 0.0) for key, name in NOTIFY_COUNTERS.items()}
 
 
 async def _cpu_over(window: Window, broker_pids: dict[str, int], metrics_listen: str = "") -> dict:

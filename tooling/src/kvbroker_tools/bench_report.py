@@ -289,6 +289,10 @@ def render(report: dict) -> str:
             from kvbroker_tools import bench_exchange
 
             lines += bench_exchange.render(report[key]["exchange"])
+        if key == "control_plane" and (report.get(key) or {}).get("followed"):
+            from kvbroker_tools import bench_messages
+
+            lines += bench_messages.render(report[key]["followed"])
     if report["targets"]:
         lines += ["", "Targets"]
         for v in report["targets"]:
