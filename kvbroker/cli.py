@@ -16,6 +16,7 @@ so that `kvbroker serve` loads neither the tooling nor numpy, and a daemon witho
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -30,7 +31,11 @@ from kvbroker.ops import logs, probe, status
 
 
 async def serve(settings: Settings) -> int:
+    from kvbroker.ops.thread_names import named_pool
     from kvbroker.server import BrokerServer
+
+    # asyncio's default pool, as many threads as asyncio's, named for the kernel (`top -H`, the bench)
+    asyncio.get_running_loop().set_default_executor(named_pool(min(32, (os.cpu_count() or 1) + 4), "kvbroker-io"))
 
     def ready(endpoints) -> None:  # the line launch.py and operators wait for
         print(json.dumps({"event": "ready", "listen": endpoints.listen, "peer_listen": endpoints.peer_listen,

@@ -41,6 +41,7 @@ import numpy as np
 from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRefs, TransferFailed
 from kvbroker.core.model import Descriptors, Region
+from kvbroker.ops.thread_names import name_this_thread, named_pool
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,7 @@ class MooncakeBackend(Backend):
         self._engine: Any = None  # mooncake.engine's TransferEngine (untyped), once started
         self._session = ""
         self._control = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mooncake")
-        self._writers = concurrent.futures.ThreadPoolExecutor(WRITER_THREADS,
-                                                              thread_name_prefix="mooncake-write")
+        self._writers = named_pool(WRITER_THREADS, "mooncake-write")
         # Per peer session, on the event loop: connects, uses (write() calls running and batches the
         # engine may still be moving), and its window of batches in flight.
         self._peers: PeerRefs[asyncio.Semaphore] = PeerRefs(lambda: asyncio.Semaphore(PEER_WINDOW))
@@ -107,6 +107,7 @@ class MooncakeBackend(Backend):
             if rc != 0:
                 raise TransferFailed(f"Mooncake initialize(host={self._host!r}, protocol={self._protocol!r}, "
                                      f"device={self._device!r}) returned {rc}")
+            name_this_thread()  # after the engine's threads started from it, which keep the name it had
             return engine, f"{self._host}:{engine.get_rpc_port()}"
 
         self._engine, self._session = await self._call(create)

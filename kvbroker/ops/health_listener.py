@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvbroker.ops.thread_names import named_pool
 
 OPTIONS: list[tuple[str, object]] = [("grpc.max_receive_message_length", 4096),  # a HealthCheckRequest is a name
                                      ("grpc.so_reuseport", 0)]
@@ -62,7 +63,7 @@ class HealthListener:
         self._clock, self._stall_s = clock, stall_s
         self._beaten = clock()
         self._servicer = CheckOnlyHealth(lambda: self._clock() - self._beaten > self._stall_s)
-        self._server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="kvbroker-health"),
+        self._server = grpc.server(named_pool(threads, "kvbroker-health"),
                                    options=OPTIONS, maximum_concurrent_rpcs=max_calls)
         health_pb2_grpc.add_HealthServicer_to_server(self._servicer, self._server)
         self.not_serving()  # bound and started before the broker is: NOT_SERVING until serving()
