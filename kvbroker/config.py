@@ -41,6 +41,11 @@ class Settings(BaseSettings):
     backend: Literal["nixl", "mooncake"] = Field("nixl", description="transfer engine")
     mooncake_protocol: str = Field("tcp", description="Mooncake transport: tcp, or rdma in clusters")
     mooncake_device: str = Field("", description="Mooncake RDMA device names (e.g. mlx5_0), empty for tcp")
+    nixl_progress_poll_ms: int = Field(1, ge=1, le=1000, description="NIXL: how long the agent's progress thread "
+                                       "sleeps in poll() when no UCX event wakes it, 1-1000 ms. NIXL wakes it at "
+                                       "this period besides, against a UCX event it may miss: the longest such a "
+                                       "miss delays a receiving broker's progress, against about 900 wake-ups a "
+                                       "second of an idle broker at 1")
     peer_tls_cert: str = Field("", description="PEM certificate chain of this broker: served on the peer "
                                               "port and presented to peers (mutual TLS); empty: plaintext")
     peer_tls_key: str = Field("", description="PEM private key of peer_tls_cert")

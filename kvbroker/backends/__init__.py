@@ -18,7 +18,8 @@ def backend_options(settings: Settings, agent_name: str) -> BackendOptions:
     """What a backend reads of the settings; `agent_name` names this broker towards its engine."""
     return BackendOptions(agent_name=agent_name, transfer_timeout_s=settings.transfer_timeout_s,
                           advertised_host=settings.advertised_host, mooncake_protocol=settings.mooncake_protocol,
-                          mooncake_device=settings.mooncake_device, data_ports=settings.data_ports)
+                          mooncake_device=settings.mooncake_device, data_ports=settings.data_ports,
+                          nixl_progress_poll_ms=settings.nixl_progress_poll_ms)
 
 
 def create_backend(settings: Settings, agent_name: str) -> Backend:

@@ -36,6 +36,7 @@ class BackendOptions:
     mooncake_protocol: str  # tcp, or rdma in clusters
     mooncake_device: str  # RDMA device names (e.g. mlx5_0), empty for tcp
     data_ports: range | None = None  # where the engine's listeners go (data_port_range; ports.py); None: its default
+    nixl_progress_poll_ms: int = 1  # NIXL's progress thread: its poll() timeout between UCX events
 
 
 class TransferFailed(Exception):

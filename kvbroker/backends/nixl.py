@@ -7,7 +7,11 @@ costs the event loop one hop to the thread. One still running is polled with a s
 released by a last hop.
 The agent's own progress thread (which must run: a receiving broker never calls into NIXL, yet
 its UCX worker has to progress for transports such as TCP) waits in poll() for UCX events with
-a PROGRESS_POLL_US timeout, instead of NIXL's Python default of 0 that spins a core while idle.
+a timeout of nixl_progress_poll_ms, instead of NIXL's Python default of 0 that spins a core while
+idle. NIXL wakes it at that period even when no event came, against a UCX bug that can leave a
+descriptor unwoken: the period is the longest such a miss delays a receiver's progress, and each
+wake-up is CPU an idle broker spends (at 1 ms, about 900 wake-ups and 16-19 ms of CPU a second
+here; RESULTS.md, 2026-12-07).
 
 With data_port_range, the agent is built with UCX_TCP_PORT_RANGE and UCX_NET_DEVICES set to it and
 to the advertised host's interface plus the RDMA ports (ports.py), where the operator set neither.
@@ -46,6 +50,7 @@ from kvbroker.backends import ports
 from kvbroker.backends.base import Backend, BackendOptions, PeerRef, PeerRefs, TransferFailed
 from kvbroker.backends.nixl_api import import_nixl_api
 from kvbroker.core.model import Descriptors, MemoryKind, Region
+from kvbroker.ops.thread_names import name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +65,6 @@ log = logging.getLogger(__name__)
 POST_SPIN_S = 200e-6
 POLL_FIRST_S = 20e-6
 POLL_MAX_S = 1e-3
-# The progress thread's poll() timeout when no UCX event wakes it. NIXL rounds it up to whole
-# milliseconds; the Python wrapper hard-codes 0, a zero timeout, so the thread never sleeps.
-PROGRESS_POLL_US = 1000
 _agent_construction = threading.Lock()  # new_agent swaps a module attribute of the bindings
 NIXL_MEMORY = {MemoryKind.HOST: "DRAM", MemoryKind.GPU: "VRAM"}
 
@@ -172,6 +174,7 @@ class NixlBackend(Backend):
 
     def __init__(self, options: BackendOptions) -> None:
         self._agent_name = f"{options.agent_name}-{secrets.token_hex(4)}"
+        self._progress_poll_us = options.nixl_progress_poll_ms * 1000
         self._environment = ports.ucx_environment(options.data_ports, options.advertised_host) \
             if options.data_ports else {}
         self._agent: Any = None  # nixl_agent, once started (nixl ships no types)
@@ -188,14 +191,9 @@ class NixlBackend(Backend):
         def create():
             api = import_nixl_api()
             nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
-
-            # NIXL logs to stdout through its own handler; route it through ours (stderr, our format).
-            nixl_log = logging.getLogger("nixl")
-            nixl_log.handlers.clear()
-            nixl_log.propagate = True
-            nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
+            _route_nixl_log()
             with ports.environment({**UCX_MEMORY_TYPES, **self._environment}) as applied:  # read as the agent is built
-                return new_agent(nixl_agent, nixl_agent_config, self._agent_name), applied
+                return new_agent(nixl_agent, nixl_agent_config, self._agent_name, self._progress_poll_us), applied
 
         self._agent, applied = await self._call(create)
         self._remotes.agent = self._agent
@@ -394,13 +392,24 @@ def _remote_agent(peer: object) -> bytes:
     return cast(bytes, peer)
 
 
-def new_agent(nixl_agent, nixl_agent_config, name: str):
-    """A UCX agent whose progress thread sleeps in poll() between events.
+def _route_nixl_log() -> None:
+    """NIXL logs to stdout through its own handler; route it through ours (stderr, our format)."""
+    nixl_log = logging.getLogger("nixl")
+    nixl_log.handlers.clear()
+    nixl_log.propagate = True
+    nixl_log.setLevel(max(logging.getLogger().level, logging.INFO))
+
+
+def new_agent(nixl_agent, nixl_agent_config, name: str, poll_us: int = 1000):
+    """A UCX agent whose progress thread sleeps in poll() between events, at most `poll_us` (NIXL
+    rounds it up to whole milliseconds; its Python wrapper hard-codes 0, a zero timeout, so the
+    thread would never sleep).
 
     nixl_agent_config exposes no progress-thread delay and nixl_agent sets the bindings' pthrDelay
     to 0 just before constructing the native agent, so the native constructor is wrapped for the
     duration of this one call to set the delay first. If the bindings are not shaped as expected,
-    the agent is built as NIXL would build it.
+    the agent is built as NIXL would build it. The calling thread (the NIXL call thread) then takes
+    its Python name for the kernel (ops/thread_names.py).
     """
     bindings = getattr(sys.modules.get(nixl_agent.__module__), "nixlBind", None)
     native = getattr(bindings, "nixlAgent", None)
@@ -409,15 +418,17 @@ def new_agent(nixl_agent, nixl_agent_config, name: str):
         return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
     def with_poll_timeout(agent_name, config):
-        config.pthrDelay = PROGRESS_POLL_US
+        config.pthrDelay = poll_us
         return native(agent_name, config)
 
     with _agent_construction:
         bindings.nixlAgent = with_poll_timeout
         try:
-            return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+            agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
         finally:
             bindings.nixlAgent = native
+    name_this_thread()  # now: the agent's threads, started from this one, keep the name it had (`python`)
+    return agent
 
 
 def settle_at_post(agent, handle, state: str) -> tuple[str, Exception | None]:
