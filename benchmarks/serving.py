@@ -129,6 +129,7 @@ async def traced_request(http, url: str, prompt: list[int], tokens: int, trace_d
 async def run(args: argparse.Namespace) -> dict:
     import aiohttp
 
+    from kvbroker_tools import threads
     from kvbroker_tools.serving import client, compare
 
     setup = model_setup(args.model)
@@ -148,7 +149,9 @@ async def run(args: argparse.Namespace) -> dict:
                                    env=setup["env"]) as deployments, aiohttp.ClientSession() as http:
         urls = {label: d.url for label, d in deployments.items()}
         pausing = deployments if args.pause_others else None
-        series = await compare.interleaved_ttft(http, urls, prompts, args.tokens, pausing=pausing)
+        measuring = {label: d.processes() for label, d in deployments.items()}
+        series = await compare.interleaved_ttft(http, urls, prompts, args.tokens, pausing=pausing,
+                                                measuring=measuring)
         rates, timelines = {}, {}
         for label, url in urls.items():
             compare.only(pausing, label)
@@ -172,7 +175,9 @@ async def run(args: argparse.Namespace) -> dict:
                      "batch": args.batch, "greedy": True, "stream": True},
         "timing": "TTFT: perf_counter from sending POST /generate to the router to the first streamed chunk with "
                   "a token; deployments interleaved request by request, two warm-up requests each first. "
-                  "requests/s: the batch sent at once, wall time until the last answer.",
+                  "requests/s: the batch sent at once, wall time until the last answer. threads_per_request: "
+                  "per TTFT request (from before its POST to its answer's last token), each process role's "
+                  "threads' CPU and run-queue delay (/proc/<pid>/task/<tid>/schedstat), ms, by thread group.",
         "others_paused": args.pause_others,
         "traced": args.trace,
         "same_tokens_on_every_backend": same,
@@ -180,6 +185,7 @@ async def run(args: argparse.Namespace) -> dict:
         "ttft_median_ratio_vs_mooncake": ratios,
         "target": {"kvbroker median TTFT / mooncake's": f"<= {target}",
                    "met": {label: r <= target for label, r in ratios.items()}},
+        "threads_per_request": {label: threads.per_request(s.threads, len(s.ttft_s)) for label, s in series.items()},
         "throughput": rates,
         "timeline": timelines,
         "timeline_medians": medians,
@@ -224,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
               "TTFT samples")
         for step in timeline_of["steps"]:
             print(f"  {step['median_ms']:9.2f}  {step['step']}  (in {step['samples']})")
+    print("per TTFT request, ms of CPU / of run-queue delay (threads), by process:")
+    for label, roles in result["threads_per_request"].items():
+        cells = [f"{role} {r['cpu_ms']:.1f}/{r['wait_ms']:.1f} ({r['threads']})" for role, r in roles.items()]
+        print(f"  {label:>18}: " + ", ".join(cells))
     print(f"same tokens on every backend: {result['same_tokens_on_every_backend']}; JSON: {out}")
     return 0
 

@@ -1,16 +1,19 @@
 """The serving benchmark measures one deployment with the others paused: `PDStack.pause` stops every
 process of a deployment (each server's whole process group), `resume` lets it run again, and
-`compare.only` leaves exactly the asked deployment running."""
+`compare.only` leaves exactly the asked deployment running; `processes` and `measuring` give each
+request's per-thread CPU and run-queue delay."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from kvbroker_tools.serving import compare
+from kvbroker_tools.serving import client, compare
 from kvbroker_tools.serving.stack import PDStack, ServerProcess
 
 # A leader that starts a child in its process group, as an SGLang server starts its scheduler.
@@ -77,3 +80,29 @@ async def test_a_paused_deployment_still_stops(deployments):
     compare.only(deployments, "a")
     await asyncio.wait_for(deployments["b"].stop(), 20)  # SIGTERM reaches it: stop resumed it first
     assert deployments["b"].prefill.process.returncode is not None
+
+
+async def test_a_deployments_processes_are_each_servers_whole_group(deployments):
+    a = deployments["a"]
+    got = a.processes()
+    assert set(got) == {"router", "prefill", "decode"}  # no brokers in SGLang's own deployment
+    assert sorted(got["decode"]) == sorted([a.decode.pid, a.decode_child])
+    assert got["prefill"][0] == a.prefill.pid and len(got["prefill"]) == 2
+
+
+async def test_measured_requests_sum_each_roles_threads_per_label():
+    """`measuring` adds each request's thread times to its label's Series; a deployment that worked
+    between the snapshots (here the ask itself spins in a thread of this process) shows it."""
+    me = {"client": [os.getpid()]}
+
+    async def ask(http, url, prompt, tokens):
+        deadline = time.process_time() + 0.02
+        while time.process_time() < deadline:  # CPU in this process's main thread, inside the window
+            pass
+        return client.Answer([1], 0.001, 0.002, {})
+
+    series = await compare.interleaved_ttft(None, {"a": "u", "b": "v"}, [[1], [2]], 1, warmup=0, ask=ask,
+                                            measuring={"a": me})
+    assert series["b"].threads == {}  # not measured
+    cpu = sum(t.cpu_ns for (role, _), t in series["a"].threads.items() if role == "client")
+    assert cpu >= 2 * 20_000_000

@@ -131,7 +131,9 @@ async def control_plane(sides: list[Side], plan: Plan, say) -> dict:
                        "`followed` (one message per step: expect_watch, end_watches) and `followed_apart` (the same "
                        "steps as separate commands, as before); messages_per_request: gRPC messages each broker's "
                        "ports read and wrote per request, per port and method, from kvbroker_grpc_messages_total "
-                       "(kvbroker_tools/bench_messages.py)",
+                       "(kvbroker_tools/bench_messages.py); threads_per_request: each process's (both brokers', "
+                       "the client's) threads' CPU and run-queue delay per request in ms, by thread group, from "
+                       "/proc/<pid>/task/<tid>/schedstat over the window (kvbroker_tools/threads.py)",
         "rpc_floor": floor,
         "rpc_floor_is": "GetBrokerInfo on the prefill broker through the same client: one unary RPC, no peer; "
                         "measured at every concurrency level, just before that level's flows",

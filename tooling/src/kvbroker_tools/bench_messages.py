@@ -11,18 +11,21 @@ waits for the end, prefill sends one one-page part, the last. Two ways, side by 
 Each row has the CPU per request (both brokers and the client) and the gRPC messages per request
 each broker's ports read and wrote, per port and method (its /metrics' kvbroker_grpc_messages_total:
 a message between the brokers is counted once, on the port that received it), with their sums per
-broker and in all; bench_report.py prints them.
+broker and in all, and each process's threads' CPU and run-queue delay per request, by thread group
+(kvbroker_tools.threads); bench_report.py prints them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvbroker_tools import threads
 from kvbroker_tools.shapes import ALL
 
 WAYS = ("followed", "followed_apart")
@@ -105,17 +108,20 @@ async def level(tools, config: dict, concurrency: int, prefill, decode) -> list[
     """One window of each way at `concurrency`, on the Exchange clients."""
     loop = asyncio.get_running_loop()
     listens = {"prefill_broker": config["prefill_metrics"], "decode_broker": config["decode_metrics"]}
+    processes = {**{name: [pid] for name, pid in config["broker_pids"].items()}, "client": [os.getpid()]}
     rows = []
     for way in WAYS:
         begin = loop.time() + config["warmup_s"]
         window = tools.window(begin, begin + config["seconds"])
         way_config = {**config, "tag": f"{config['tag']}-{way}"}
-        cpu, counts, _ = await asyncio.gather(
+        cpu, counts, took, _ = await asyncio.gather(
             tools.cpu_over(window, config["broker_pids"]), messages_over(window, listens),
+            threads.over(window.begin, window.end, processes),
             asyncio.gather(*(tools.worker(way_config, way, prefill, decode, window, concurrency, w)
                              for w in range(concurrency))))
         row = tools.flow_row(way, concurrency, config["seconds"], window, cpu)
         row["messages_per_request"] = per_request(counts, row["requests"])
+        row["threads_per_request"] = threads.per_request(took, row["requests"])
         rows.append(row)
     return rows
 
@@ -135,4 +141,17 @@ def render(rows: list[dict]) -> list[str]:
         lines.append(f"{r['backend']:9}{r['client_loop']:9}{r['flow']:16}{r['concurrency']:>5}"
                      f"{r['requests_per_s']:>8.0f}{r['request_ms']['p50'] or float('nan'):>11.3f}"
                      f"{on_p:>8.2f}{on_d:>8.2f}{m.get('all', 0):>6.1f}{split:>23}{sum(parts):>7.2f}")
+    return lines
+
+
+def render_threads(rows: list[dict], top: int = 3) -> list[str]:
+    """Per followed row and process: ms of CPU / of run-queue delay per request (threads), and its
+    busiest thread groups."""
+    lines = ["", "Threads per followed request: ms of CPU / of run-queue delay (threads seen), busiest thread groups"]
+    for r in rows:
+        lines.append(f"{r['backend']} {r['client_loop']} {r['flow']} conc {r['concurrency']}:")
+        for role, t in r.get("threads_per_request", {}).items():
+            groups = ", ".join(f"{g} {v['cpu_ms']:.2f}/{v['wait_ms']:.2f} ({v['threads']})"
+                               for g, v in list(t["groups"].items())[:top])
+            lines.append(f"  {role:15}{t['cpu_ms']:7.2f}/{t['wait_ms']:.2f} ({t['threads']})  {groups}")
     return lines

@@ -293,6 +293,7 @@ def render(report: dict) -> str:
             from kvbroker_tools import bench_messages
 
             lines += bench_messages.render(report[key]["followed"])
+            lines += bench_messages.render_threads(report[key]["followed"])
     if report["targets"]:
         lines += ["", "Targets"]
         for v in report["targets"]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from kvbroker_tools import threads
 from kvbroker_tools.launch import stopping_on_signals
 from kvbroker_tools.serving import client, stack
 
@@ -97,6 +98,7 @@ class Series:
     ttft_s: list[float]
     answers: list[list[int]]
     posted_at: list[float] = field(default_factory=list)  # each sample's POST, unix seconds (the trace's clock)
+    threads: dict = field(default_factory=dict)  # with `measuring`: (role, thread group) -> threads.Times, summed
 
     @property
     def median_ms(self) -> float:
@@ -115,8 +117,11 @@ def only(deployments: Mapping[str, Pausable] | None, label: str) -> None:
 
 async def interleaved_ttft(http, urls: dict[str, str], prompts: list[list[int]], tokens: int,
                            warmup: int = 2, *, pausing: Mapping[str, Pausable] | None = None,
-                           ask: Ask = client.generate) -> dict[str, Series]:
-    """`pausing`: the deployments by label; each request then runs with the others paused (`only`)."""
+                           ask: Ask = client.generate,
+                           measuring: Mapping[str, Mapping[str, list[int]]] | None = None) -> dict[str, Series]:
+    """`pausing`: the deployments by label; each request then runs with the others paused (`only`).
+    `measuring`: per label, its processes by role; each request's threads' CPU and run-queue delay, from
+    before its POST to its answer's end (kvbroker_tools.threads), are summed into its Series' `threads`."""
     for label, url in urls.items():  # first requests pay for lazy set-up (handshakes, allocations)
         only(pausing, label)
         for prompt in prompts[:warmup]:
@@ -125,8 +130,13 @@ async def interleaved_ttft(http, urls: dict[str, str], prompts: list[list[int]],
     for prompt in prompts:
         for label, url in urls.items():
             only(pausing, label)
+            processes = measuring.get(label) if measuring else None
+            before = await asyncio.to_thread(threads.snapshot, processes) if processes else {}
             posted_at = time.time()
             answer = await ask(http, url, prompt, tokens)
+            if processes:
+                after = await asyncio.to_thread(threads.snapshot, processes)
+                threads.accumulate(series[label].threads, threads.spent(before, after))
             series[label].posted_at.append(posted_at)
             series[label].ttft_s.append(answer.ttft_s)
             series[label].answers.append(answer.output_ids)

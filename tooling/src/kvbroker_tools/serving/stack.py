@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbroker_tools import threads
 from kvbroker_tools.launch import BrokerProcess, ChildDied, exit_description, start_broker
 
 SITE = Path(__file__).resolve().parent / "site"
@@ -337,6 +338,14 @@ class PDStack:
         else:
             extra |= {"MOONCAKE_PROTOCOL": "tcp", "MC_FORCE_TCP": "1"}
         return extra
+
+    def processes(self) -> dict[str, list[int]]:
+        """Each part's processes by role (a server's whole process group: SGLang starts its scheduler and
+        detokenizer as children), for per-thread CPU and run-queue delay (kvbroker_tools.threads)."""
+        roles = {"router": self.router, "prefill": self.prefill, "decode": self.decode}
+        out = {role: threads.processes_of_group(server.pid) for role, server in roles.items()}
+        out |= {f"{side}_broker": [broker.pid] for side, broker in self.brokers.items()}
+        return out
 
     def pause(self) -> None:
         """SIGSTOP to every process of the deployment: an idle SGLang scheduler spins on a core, so a
