@@ -65,13 +65,9 @@ def shm_files_of_group(pgid: int) -> set[Path]:
     unlinks them once it is dead (a broker that still maps one keeps its mapping until it lets go).
     """
     held: set[Path] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
+    for pid in threads.processes_of_group(pgid):
+        proc = Path("/proc") / str(pid)
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = (proc / "stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:  # field 5, pgrp, after "pid (comm) state ppid"
-                continue
             for line in (proc / "maps").read_text().splitlines():
                 fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
                 if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
