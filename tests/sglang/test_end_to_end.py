@@ -35,6 +35,7 @@ from tests.support.sglang_pair import (
     THROUGH,
     Watched,
     assert_decode_bytes,
+    decode_saw,
     expected_decode,
     failure,
     fill_prefill_aux,
@@ -72,7 +73,7 @@ async def test_a_chunked_request_lands_every_byte_and_the_aux_row(sglang_ranks, 
 
     sent, received, sender, receiver = await asyncio.to_thread(run)
     assert (sent, received) == tuple(polls("Success", "Success")), (sender.seen, receiver.seen)
-    assert sender.seen == polls(*THROUGH, "Success") and receiver.seen == polls(*THROUGH, "Success")
+    assert sender.seen == polls(*THROUGH, "Success") and decode_saw(receiver, "Success"), receiver.seen
     assert_decode_bytes(pair, expected_decode(pair, request, before, len(CHUNKS)))
     got = pair.decode_rank.metadata.get_buf(DECODE_AUX)
     for mine, theirs in zip(got, pair.prefill_rank.metadata.get_buf(PREFILL_AUX)):
@@ -148,7 +149,7 @@ async def test_a_prefill_abort_mid_request_fails_both_sides_with_the_brokers_rea
         return sender.until(*polls("Failed")), receiver.until(*polls("Failed")), sender, receiver
 
     _, _, sender, receiver = await asyncio.to_thread(run)
-    assert sender.seen == polls(*THROUGH, "Failed") and receiver.seen == polls(*THROUGH, "Failed")
+    assert sender.seen == polls(*THROUGH, "Failed") and decode_saw(receiver, "Failed"), receiver.seen
     mine = failure(sender)
     assert mine.code is grpc.StatusCode.CANCELLED and "Aborted by AbortReq" in mine.failure_reason
     error = failure(receiver)
@@ -176,7 +177,7 @@ async def test_a_decode_abort_mid_request_fails_both_sides_and_nothing_lands_aft
         return sender.until(*polls("Failed")), sender, receiver
 
     _, sender, receiver = await asyncio.to_thread(run)
-    assert sender.seen == polls(*THROUGH, "Failed") and receiver.seen == polls(*THROUGH, "Failed")
+    assert sender.seen == polls(*THROUGH, "Failed") and decode_saw(receiver, "Failed"), receiver.seen
     mine = failure(receiver)
     assert mine.code is grpc.StatusCode.CANCELLED and "Aborted by AbortReq" in mine.failure_reason
     error = failure(sender)
@@ -234,7 +235,7 @@ async def test_a_decode_broker_restart_mid_request_fails_both_sides_with_the_bro
         await asyncio.to_thread(send_chunk, pair, sender, request, 1)
         await asyncio.to_thread(send_chunk, pair, sender, request, 2)
         assert await asyncio.to_thread(sender.until, *polls("Failed")) == polls("Failed")[0]
-        assert sender.seen == polls(*THROUGH, "Failed") and receiver.seen == polls(*THROUGH, "Failed")
+        assert sender.seen == polls(*THROUGH, "Failed") and decode_saw(receiver, "Failed"), receiver.seen
         mine = failure(sender)
         assert mine.code is not None and mine.failure_reason.startswith(f"kvbroker {mine.code.name}: ")
         assert_decode_bytes(pair, expected_decode(pair, request, before, 1))
@@ -267,7 +268,7 @@ async def test_a_prefill_broker_restart_mid_request_fails_both_sides_with_the_br
         assert mine.code is grpc.StatusCode.UNAVAILABLE and mine.failure_reason.startswith("kvbroker UNAVAILABLE: ")
         await asyncio.to_thread(send_chunk, pair, sender, request, 1)
         assert await asyncio.to_thread(receiver.until, *polls("Failed")) == polls("Failed")[0]
-        assert sender.seen == polls(*THROUGH, "Failed") and receiver.seen == polls(*THROUGH, "Failed")
+        assert sender.seen == polls(*THROUGH, "Failed") and decode_saw(receiver, "Failed"), receiver.seen
         error = failure(receiver)
         assert error.code is grpc.StatusCode.DEADLINE_EXCEEDED
         assert error.failure_reason.startswith("kvbroker DEADLINE_EXCEEDED: ")

@@ -196,9 +196,19 @@ def released(pair: Pair, receiver: Watched, timeout: float = POLL_TIMEOUT_S) -> 
         time.sleep(0.002)  # the scheduler's next loop iteration
 
 
-THROUGH = ("Bootstrapping", "WaitingForInput", "Transferring")
+THROUGH = ("Bootstrapping", "WaitingForInput", "Transferring")  # prefill's polls before its end
+RECEIVING = ("Bootstrapping", "WaitingForInput")  # decode's: as with SGLang's mooncake, no Transferring per chunk
+
+
+def decode_saw(receiver: Watched, end: str) -> bool:
+    """decode's polls were Bootstrapping, WaitingForInput, then `end`; before a Failed, Transferring
+    too while its cancel was unanswered (holding: the grant may still be written)."""
+    paths = [polls(*RECEIVING, end)] + ([polls(*RECEIVING, "Transferring", end)] if end == "Failed" else [])
+    return receiver.seen in paths
 
 
 def first_chunk_lands(sender: Watched, receiver: Watched) -> None:
-    receiver.until(*polls("Transferring"))
+    """The first part's reply (Transferring on prefill) comes once decode's broker took its notice:
+    the chunk landed there (decode's receiver says nothing of it: WaitingForInput until the end)."""
     sender.until(*polls("Transferring"))
+    receiver.poll()

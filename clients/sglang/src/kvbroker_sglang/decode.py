@@ -3,8 +3,8 @@
     frames      the rank's registration and, per room, its metadata to prefill (SGLang's own
                 discovery and ZMQ frames, wire.py), sent from SGLang's thread as upstream sends them
     grant       then ReceivingRequest.grant: the destination pages per component offered to the
-                prefill rank's broker while prefill computes; the watch follows it (states only:
-                Transferring marks a landed chunk); the aux row written before Success
+                prefill rank's broker while prefill computes, and followed to its end in the same
+                command (WaitingForInput until then); the aux row written before Success
     abort       SGLang's abort frames, then the grant cancelled; the broker's answer (no write
                 into the grant runs) is every prefill rank's ack of SGLang's deferred release
     aux-only    aux_only.AuxOnlyDecode: decode holds the whole prompt, no grant, prefill's Outcome frame

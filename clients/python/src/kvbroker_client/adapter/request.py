@@ -156,9 +156,9 @@ class Request:
 
     async def _cancelled(self, reason: str, offer_wait_s: float, unknown_reason: str | None,
                          follower: concurrent.futures.Future | None) -> None:
+        await self._before_cancel()
         if follower is not None:
             follower.cancel()
-        await self._before_cancel()
         client = self.link.client
         assert client is not None, "the link is not open"
         try:
