@@ -143,10 +143,12 @@ class Request:
             if not self.offered or self._cancel is not None or not self.link.is_open:
                 return None
             follower = self._task
-            self._cancel = self.link.spawn(self._cancelled(reason, offer_wait_s, unknown_reason, follower),
-                                           name=f"cancel {self.request_id}")
-            self._cancel.add_done_callback(lambda _: self._check_ended())
-            return self._cancel
+            cancel = self._cancel = self.link.spawn(self._cancelled(reason, offer_wait_s, unknown_reason, follower),
+                                                    name=f"cancel {self.request_id}")
+        # Outside the lock: a cancel that already answered (an engine thread was preempted here) runs
+        # the callback at once, on this thread, and _check_ended takes the lock.
+        cancel.add_done_callback(lambda _: self._check_ended())
+        return cancel
 
     def _offer_wait_s(self) -> float:
         return 0.0
