@@ -97,14 +97,14 @@ class WorkerSide:
         request = SendingRequest(self.link, send.transfer_id)
         self._sending[send.request_id] = request
         rid = send.request_id
-        request.when_ended(lambda r: self._ended(rid, r, self._sent))
+        request.when_ended(lambda r: self._ended(rid, r, sending=True))
         request.send_when_offered(Part(self._pages(send.block_ids), last=True), self.settings.hold_s)
 
     def _grant(self, grant: GrantSpec) -> None:
         request = ReceivingRequest(self.link, grant.transfer.request_id)
         self._receiving[grant.request_id] = request
         rid = grant.request_id
-        request.when_ended(lambda r: self._ended(rid, r, self._received))
+        request.when_ended(lambda r: self._ended(rid, r, sending=False))
         sender = grant.transfer.rank(*self.ranks)
         if sender is None:
             request.fail(f"kvbroker: prefill has no rank pp{self.ranks[0]}/tp{self.ranks[1]} to send this decode "
@@ -116,15 +116,19 @@ class WorkerSide:
         request.grant(pages, sender_address=sender.broker_address, sender_engine_id=sender.engine_id,
                       expiry_s=self.settings.grant_expiry_s, src_offsets=offsets)
 
-    def _ended(self, rid: str, request: Request, into: set[str]) -> None:
-        """On the link's loop: the request is over on the broker's word."""
+    def _ended(self, rid: str, request: Request, *, sending: bool) -> None:
+        """On the link's loop: the request is over on the broker's word. The set it goes into is
+        read under the lock: transfer_results (vLLM's thread) hands its sets over and starts new ones."""
         if request.phase is Phase.FAILED:
             log.warning("kvbroker: request %s (%s on the brokers) failed: %s", rid, request.request_id,
                         request.failure.reason if request.failure else "")
         with self._lock:
-            into.add(rid)
-            if request.phase is Phase.FAILED and into is self._received:
-                self._failed.add(rid)
+            if sending:
+                self._sent.add(rid)
+            else:
+                self._received.add(rid)
+                if request.phase is Phase.FAILED:
+                    self._failed.add(rid)
 
     def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         with self._lock:
