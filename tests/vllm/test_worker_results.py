@@ -20,7 +20,12 @@ async def test_a_receive_failing_while_vllm_collects_results_is_reported_failed_
     child = await asyncio.create_subprocess_exec(
         str(vllm_stack.python()), str(SCRIPT), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env=vllm_stack.server_env())
-    out, err = await asyncio.wait_for(child.communicate(), 300)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(), 300)
+    finally:
+        if child.returncode is None:  # timed out: the child goes with the case
+            child.kill()
+            await child.wait()
     assert child.returncode == 0, f"exit {child.returncode}: {err.decode()[-3000:]}"
     got = json.loads(out.decode().strip().splitlines()[-1])
     assert got["finished_recving"] == [[], ["vllm-request-1"]], got
