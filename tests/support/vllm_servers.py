@@ -1,13 +1,17 @@
 """vLLM 0.32's own servers for the vLLM tests (tests/vllm), started as users start them
 (tooling/src/kvbroker_tools/serving/vllm_stack.py; .venv-vllm, built by scripts/setup.sh --test):
 `Reference`, the non-PD server's greedy answers; what kvbroker's connector is told (`CONNECTOR`);
-`settled`, checked after every case; `restart_broker`. tests/vllm/conftest.py's fixtures start the
-servers.
+`settled`, checked after every case; `restart_broker`; `run_in_vllm`, a script in vLLM's environment.
+tests/vllm/conftest.py's fixtures start the servers.
 
 Every case leaves both servers serving and both brokers holding no request (`settled`).
 """
 
 from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
 
 import aiohttp
 
@@ -74,3 +78,19 @@ async def restart_broker(deployment: vllm_stack.Deployment, side: str, backend: 
     deployment.brokers[side] = await start_broker(old.broker_id, "--backend", backend, "--listen", old.listen,
                                                   "--peer-listen", old.peer_listen)
     return deployment.brokers[side]
+
+
+async def run_in_vllm(script: Path, *args: str, timeout: float, env: dict[str, str] | None = None) -> dict:
+    """Run `script` with vLLM's Python (`env` over vLLM's server environment); the JSON of its last line.
+    A child past `timeout` is killed with the case; one that fails says its exit code and stderr."""
+    child = await asyncio.create_subprocess_exec(
+        str(vllm_stack.python()), str(script), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**vllm_stack.server_env(), **(env or {})})
+    try:
+        out, err = await asyncio.wait_for(child.communicate(), timeout)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0, f"{script.name} exited {child.returncode}: {err.decode()[-3000:]}"
+    return json.loads(out.decode().strip().splitlines()[-1])

@@ -5,14 +5,12 @@ so no server of it runs here: this pins the mapping on vLLM's own KV cache confi
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
 from kvbroker_tools.launch import start_broker
-from kvbroker_tools.serving import vllm_stack
+from tests.support.vllm_servers import run_in_vllm
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).with_name("minimax_kv_cache.py")
@@ -21,14 +19,9 @@ SCRIPT = Path(__file__).with_name("minimax_kv_cache.py")
 async def test_minimax_m3_index_k_registers_as_its_own_component_on_the_main_kvs_block_ids():
     broker = await start_broker("vllm-minimax-layout", "--backend", "nixl")
     try:
-        child = await asyncio.create_subprocess_exec(
-            str(vllm_stack.python()), str(SCRIPT), broker.listen, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env={**vllm_stack.server_env(), "PYTHONPATH": str(SCRIPT.parents[2])})
-        out, err = await asyncio.wait_for(child.communicate(), 600)
+        got = await run_in_vllm(SCRIPT, broker.listen, timeout=600, env={"PYTHONPATH": str(SCRIPT.parents[2])})
     finally:
         await broker.stop()
-    assert child.returncode == 0, f"exit {child.returncode}: {err.decode()[-3000:]}"
-    got = json.loads(out.decode().strip().splitlines()[-1])
     blocks = got["num_blocks"]
     assert got["groups"] == 1, "MiniMax-M3's main and index caches share one block table in vLLM 0.32"
     assert got["components"] == {

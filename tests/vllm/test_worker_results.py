@@ -4,29 +4,17 @@ Lost, vLLM keeps the request waiting for its KV and its blocks held for good (th
 
 from __future__ import annotations
 
-import asyncio
-import json
 from pathlib import Path
 
 import pytest
 
-from kvbroker_tools.serving import vllm_stack
+from tests.support.vllm_servers import run_in_vllm
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).with_name("worker_results_race.py")
 
 
 async def test_a_receive_failing_while_vllm_collects_results_is_reported_failed_once():
-    child = await asyncio.create_subprocess_exec(
-        str(vllm_stack.python()), str(SCRIPT), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=vllm_stack.server_env())
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), 300)
-    finally:
-        if child.returncode is None:  # timed out: the child goes with the case
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, f"exit {child.returncode}: {err.decode()[-3000:]}"
-    got = json.loads(out.decode().strip().splitlines()[-1])
+    got = await run_in_vllm(SCRIPT, timeout=300)
     assert got["finished_recving"] == [[], ["vllm-request-1"]], got
     assert got["failed_recving"] == [[], ["vllm-request-1"]], got
