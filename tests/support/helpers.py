@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 
 from kvbroker.core.errors import BrokerError
+from kvbroker_client.v1 import broker_service_pb2 as bpb
+from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
 
 
@@ -132,3 +134,22 @@ async def until_awaited(condition, timeout: float = 60.0, interval: float = 0.1)
         if held or loop.time() > deadline:
             return held
         await asyncio.sleep(interval)
+
+
+async def serving(brokers, backend: str, engines: int = 1, timeout: float = 120.0) -> dict[str, tuple[str, int]]:
+    """Wait until every broker of `brokers` (kvbroker_tools.launch.BrokerProcess) runs the transfer
+    engine `backend` and holds `engines` registered engines (a server's client registers again by
+    itself once its broker is back); what each held last, by broker id: (backend, engines)."""
+    async def held() -> dict[str, tuple[str, int]]:
+        out = {}
+        for broker in brokers:
+            async with grpc.aio.insecure_channel(broker.listen) as channel:
+                info = await bpb_grpc.BrokerServiceStub(channel).GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=5)
+            out[broker.broker_id] = (info.backend, len(info.engines))
+        return out
+
+    async def ready():
+        now = await held()
+        return now if all(got == (backend, engines) for got in now.values()) else None
+
+    return await until_awaited(ready, timeout=timeout) or await held()

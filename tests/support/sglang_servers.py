@@ -1,7 +1,8 @@
 """SGLang 0.5.23 PD deployments for the real-server tests (tests/servers), started as users start them
 (tooling/src/kvbroker_tools/serving): `start_stack` (a PD deployment, a broker per server, on one
-transfer engine), the arguments its servers take, and the cases the Llama and MiniMax modules share,
-each answered against the session's non-PD reference (tests/support/reference.py).
+transfer engine), `switch_engine` (its brokers moved to another), the arguments its servers take, and
+the cases the Llama and MiniMax modules share, each answered against the session's non-PD reference
+(tests/support/reference.py).
 
 Every case leaves both servers serving and both brokers holding nothing: `settled` checks that
 after each case, so cases stay independent though the servers are shared.
@@ -16,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from kvbroker_tools.serving import client, stack
-from tests.support.helpers import until_awaited
+from tests.support.helpers import serving, until_awaited
 from tests.support.reference import ANSWER_TOKENS, Reference
 
 CHUNK_TOKENS = 64  # prefill's --chunked-prefill-size: a prompt of n tokens goes in ceil(n / 64) parts
@@ -31,6 +32,18 @@ SERVER_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREG
 async def start_stack(model: Path, log_dir: Path, engine: str) -> stack.PDStack:
     return await stack.start_pd(model, log_dir, transfer="kvbroker", engine=engine, prefill_args=PREFILL_ARGS,
                                 decode_args=DECODE_ARGS, env=SERVER_ENV)
+
+
+async def switch_engine(pd: stack.PDStack, engine: str) -> None:
+    """Both brokers restarted with transfer engine `engine` on the same addresses; back once each holds
+    its server's engine again. The whole transfer is the brokers': one deployment serves a module's
+    cases on each engine in turn, and the servers (minutes to start) start once."""
+    if pd.engine == engine:
+        return
+    pd.engine = engine
+    await asyncio.gather(*(pd.restart_broker(side) for side in ("prefill", "decode")))
+    held = await serving(pd.brokers.values(), engine)
+    assert all(got == (engine, 1) for got in held.values()), f"the brokers on {engine}: {held}"
 
 
 async def brokers_idle(pd: stack.PDStack) -> dict[str, dict[str, int]]:

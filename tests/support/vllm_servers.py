@@ -1,7 +1,8 @@
 """vLLM 0.32's own servers for the vLLM tests (tests/vllm), started as users start them
 (tooling/src/kvbroker_tools/serving/vllm_stack.py; .venv-vllm, built by scripts/setup.sh --test):
 `Reference`, the non-PD server's greedy answers; what kvbroker's connector is told (`CONNECTOR`);
-`settled`, checked after every case; `restart_broker`; `run_in_vllm`, a script in vLLM's environment.
+`settled`, checked after every case; `restart_broker`; `switch_backend`, both brokers moved to another
+transfer engine; `run_in_vllm`, a script in vLLM's environment.
 tests/vllm/conftest.py's fixtures start the servers.
 
 Every case leaves both servers serving and both brokers holding no request (`settled`).
@@ -17,7 +18,7 @@ import aiohttp
 
 from kvbroker_tools.launch import BrokerProcess, start_broker
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.support.helpers import until_awaited
+from tests.support.helpers import serving, until_awaited
 from tests.support.reference import ANSWER_TOKENS
 
 BLOCK = 32  # vllm_stack's --block-size
@@ -72,12 +73,25 @@ async def settled(deployment: vllm_stack.Deployment, reference: Reference, http:
 
 
 async def restart_broker(deployment: vllm_stack.Deployment, side: str, backend: str) -> BrokerProcess:
-    """The broker beside `side` stopped and started again on the same addresses."""
+    """The broker beside `side` stopped and started again on the same addresses (its log beside the servers')."""
     old = deployment.brokers[side]
     await old.stop()
+    log_file = deployment.servers[side].log_path.parent / f"broker-{side}.log"
     deployment.brokers[side] = await start_broker(old.broker_id, "--backend", backend, "--listen", old.listen,
-                                                  "--peer-listen", old.peer_listen)
+                                                  "--peer-listen", old.peer_listen, log_file=log_file)
     return deployment.brokers[side]
+
+
+async def switch_backend(deployment: vllm_stack.Deployment, backend: str) -> None:
+    """Both brokers on transfer engine `backend`: restarted with it on the same addresses unless they run
+    it already; back once each holds its server's engine again. The whole transfer is the brokers': one
+    deployment serves the cases on each engine in turn, and the servers (minutes to start) start once."""
+    held = await serving(deployment.brokers.values(), backend, timeout=0)
+    if all(got[0] == backend for got in held.values()):
+        return
+    await asyncio.gather(*(restart_broker(deployment, side, backend) for side in ("prefill", "decode")))
+    held = await serving(deployment.brokers.values(), backend)
+    assert all(got == (backend, 1) for got in held.values()), f"the brokers on {backend}: {held}"
 
 
 async def run_in_vllm(script: Path, *args: str, timeout: float, env: dict[str, str] | None = None) -> dict:

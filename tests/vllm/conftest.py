@@ -1,8 +1,8 @@
 """Fixtures of the vLLM tests: vLLM 0.32's own servers (.venv-vllm, built by scripts/setup.sh --test),
 started as users start them (tooling/src/kvbroker_tools/serving/vllm_stack.py): a non-PD reference server for the
-session, and per transfer engine a prefill and a decode server with kvbroker's connector, a broker
-beside each, behind vllm-router, shared by a module's tests. What the tests share besides lives in
-tests/support/vllm_servers.py.
+session, and a prefill and a decode server with kvbroker's connector, a broker beside each, behind
+vllm-router, started once and shared by the modules, which move its brokers between the transfer
+engines. What the tests share besides lives in tests/support/vllm_servers.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker_tools.serving import vllm_stack
-from tests.support.vllm_servers import CONNECTOR, Reference
+from tests.support.vllm_servers import CONNECTOR, Reference, switch_backend
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -40,8 +40,17 @@ async def vllm_reference(model, vllm_log_root, http) -> AsyncIterator[Reference]
     await deployment.stop()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def vllm_pd(backend, model, vllm_log_root) -> AsyncIterator[vllm_stack.Deployment]:
-    deployment = await vllm_stack.start_kvbroker_pd(model, vllm_log_root / f"pd-{backend}", backend, **CONNECTOR)
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_pair(model, vllm_log_root) -> AsyncIterator[vllm_stack.Deployment]:
+    """The session's PD pair with kvbroker's connector, its brokers on NIXL until a module moves them
+    (`vllm_pd`, the fleet's own SGLang servers beside it)."""
+    deployment = await vllm_stack.start_kvbroker_pd(model, vllm_log_root / "pd", "nixl", **CONNECTOR)
     yield deployment
     await deployment.stop()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def vllm_pd(backend, vllm_pair) -> vllm_stack.Deployment:
+    """The session's pair with its brokers on `backend`."""
+    await switch_backend(vllm_pair, backend)
+    return vllm_pair
