@@ -16,45 +16,33 @@ import pytest
 import pytest_asyncio
 
 from kvbroker_client import BrokerClient, BrokerError, Component, FailedPrecondition, SharedMemoryRef
-from kvbroker_tools.launch import start_broker, start_brokers
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.support.vllm_servers import ANSWER_TOKENS, CONNECTOR
+from tests.support.helpers import serving
+from tests.support.vllm_servers import ANSWER_TOKENS, switch_backend
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]  # six servers start together, in minutes here
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]  # servers start in minutes here
 SGLANG_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def fleet(model, vllm_log_root):
-    """The two brokers, and on them an SGLang PD stack (it owns and stops them) and a vLLM PD deployment,
-    started together."""
-    prefill, decode = await start_brokers(start_broker("fleet-prefill", "--backend", "nixl"),
-                                          start_broker("fleet-decode", "--backend", "nixl"))
-    log_dir = vllm_log_root / "fleet"
-    connector = vllm_stack.kvbroker_connector(prefill, decode, name="kvbroker-fleet", **CONNECTOR)
-    starts = [asyncio.ensure_future(stack.start_pd(model, log_dir / "sglang", transfer="kvbroker",
-                                                   engine="nixl", env=SGLANG_ENV,
-                                                   brokers={"prefill": prefill, "decode": decode})),
-              asyncio.ensure_future(vllm_stack.start_pd(model, log_dir / "vllm", connector))]
+async def fleet(model, vllm_log_root, vllm_pair):
+    """The session's vLLM PD pair with its brokers on NIXL, and an SGLang PD stack started on the same two
+    brokers; once it has stopped, the brokers hold vLLM's engines alone again."""
+    await switch_backend(vllm_pair, "nixl")
+    sglang = await stack.start_pd(model, vllm_log_root / "fleet-sglang", transfer="kvbroker", engine="nixl",
+                                  env=SGLANG_ENV, brokers=vllm_pair.brokers)
     try:
-        sglang, vllm = await asyncio.gather(*starts)
-    except BaseException:  # one failed (or the fixture was cancelled): stop what the other started
-        for start in starts:
-            start.cancel()
-        await asyncio.gather(*starts, return_exceptions=True)
-        for start in reversed(starts):  # vLLM's first: SGLang's stack stops the brokers
-            if not start.cancelled() and start.exception() is None:
-                await start.result().stop()
-        raise
-    yield sglang, vllm
-    await vllm.stop()
-    await sglang.stop()
+        yield sglang, vllm_pair
+    finally:
+        await sglang.stop()  # the brokers stay: they are the vLLM pair's
+        held = await serving(vllm_pair.brokers.values(), "nixl", engines=1)
+        assert all(got == ("nixl", 1) for got in held.values()), f"SGLang's engines outlived its servers: {held}"
 
 
 async def test_sglang_and_vllm_requests_interleaved_on_one_broker_pair_each_answer_as_their_engine(
         fleet, reference, vllm_reference, http):
     sglang, vllm = fleet
-    prompts = [client.prompts(1, 30 + 25 * i, seed=300 + i)[0] for i in range(6)]
+    prompts = [client.prompts(1, 30 + 25 * i, seed=3000 + i)[0] for i in range(6)]  # no vLLM case asks these
 
     async def sglang_one(prompt):
         answer = await client.generate(http, sglang.url, prompt, ANSWER_TOKENS)

@@ -291,6 +291,7 @@ class PDStack:
     decode_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     decode_env: dict[str, str] = field(default_factory=dict)  # decode's only, over `env`
+    owns_brokers: bool = True  # False: the caller's brokers, which `stop` leaves running
 
     @property
     def url(self) -> str:
@@ -357,7 +358,8 @@ class PDStack:
     async def stop(self) -> None:
         """Everything, router first; raises ChildDied naming every child that had died unasked."""
         self.resume()  # a paused process would hold its SIGTERM until the SIGKILL
-        await stop_in_order([self.router], [self.decode, self.prefill], list(self.brokers.values()))
+        await stop_in_order([self.router], [self.decode, self.prefill],
+                            list(self.brokers.values()) if self.owns_brokers else [])
 
 
 def signal_all(servers: Iterable[ServerProcess], brokers: Iterable[BrokerProcess], sig: int) -> None:
@@ -402,10 +404,11 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
     """The PD deployment: brokers (kvbroker only), prefill and decode started together, then the router.
     `env` is both servers' extra environment, `decode_env` decode's alone. `brokers` ("prefill",
     "decode"), started by the caller, serve instead of new ones (several deployments on one broker
-    pair) and are the stack's from here on: stopped with it, or here if it fails."""
+    pair) and stay the caller's: neither the stack's stop nor a failed start stops them."""
     if transfer not in ("kvbroker", "mooncake"):
         raise ValueError(f"transfer: {transfer!r} is neither 'kvbroker' nor 'mooncake'")
     engine = engine if transfer == "kvbroker" else "mooncake"
+    owns_brokers = not brokers
     brokers = dict(brokers or {})
     servers: list[ServerProcess] = []
     stack = None
@@ -416,7 +419,8 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
                                         _start_broker("decode", engine, log_dir))
             brokers = dict(zip(("prefill", "decode"), pair))
         half = PDStack(transfer, engine, model, log_dir, None, None, None, brokers,  # type: ignore[arg-type]
-                       tuple(prefill_args), tuple(decode_args), dict(env or {}), dict(decode_env or {}))
+                       tuple(prefill_args), tuple(decode_args), dict(env or {}), dict(decode_env or {}),
+                       owns_brokers)
         prefill = await start_server("prefill", model, log_dir, mode="prefill", transfer=transfer,
                                      args=prefill_args, env=half._server_env("prefill"), wait=False)
         servers.append(prefill)
@@ -434,7 +438,7 @@ async def start_pd(model: Path, log_dir: Path, *, transfer: str = "kvbroker", en
             for server in servers:
                 with contextlib.suppress(ChildDied):
                     await server.stop(timeout=10)
-            for broker in brokers.values():
+            for broker in brokers.values() if owns_brokers else ():
                 with contextlib.suppress(ChildDied):
                     await broker.stop()
 
