@@ -409,6 +409,21 @@ async def test_engines_are_registered_again_after_a_restart_before_the_client_ca
         assert client.restarts_seen == 1
 
 
+async def test_a_broker_restarted_under_another_id_is_told_by_the_new_one(brokers_of_test, pools):
+    """An adapter tells the other side its broker's id (the receiver its parts name) and peer address
+    from the client: after a restart under another id, they are the new broker's, with no call."""
+    broker = await brokers_of_test.start(name="told-before")
+    async with await connect(broker.listen) as client:
+        dst = pool_engine(pools, unique("decode"), fill="canary")
+        await client.register_engine(dst.engine_id, dst.topology, dst.components)
+        assert client.broker_id == "told-before" and client.peer_address
+        broker = await brokers_of_test.restart(broker, "--broker-id", "told-after")
+        await registered_on(broker, dst.engine_id)
+        async with await connect(broker.listen, session=False) as observer:
+            now = await observer.info()
+        assert (client.broker_id, client.peer_address) == ("told-after", now.peer_address)
+
+
 async def test_a_restart_whose_first_registration_fails_is_counted_once(brokers_of_test, pools):
     """The rejoin retries a registration that failed; the retry is the same restart, not a second one."""
     broker = await brokers_of_test.start()

@@ -161,6 +161,16 @@ class BrokerClient:
         return self._registrations.epoch
 
     @property
+    def broker_id(self) -> str:
+        """The broker's id as last seen (an `info()`, or a restart the client recovered from); empty before."""
+        return self._registrations.broker_id
+
+    @property
+    def peer_address(self) -> str:
+        """The broker's peer address as last seen, like `broker_id`."""
+        return self._registrations.peer_address
+
+    @property
     def restarts_seen(self) -> int:
         """Broker restarts this client saw and registered its engines again after."""
         return self._registrations.restarts_seen
@@ -191,6 +201,8 @@ class BrokerClient:
         elif reply.epoch != self._registrations.epoch:
             await self._registrations.recover(at, seen=reply)
             reply = await self._unary("GetBrokerInfo", bpb.GetBrokerInfoRequest(), at)
+        if reply.epoch == self._registrations.epoch:
+            self._registrations.saw(reply)
         return BrokerInfo.from_proto(reply)
 
     async def register_engine(self, engine_id: str, topology: Topology | pb.Topology,

@@ -33,6 +33,8 @@ class Registrations:
         self.engines: dict[str, bpb.RegisterEngineRequest] = {}  # what to register again after a restart
         self.lost: set[str] = set()  # broker-owned engines a restart took with it
         self.epoch: int | None = None
+        self.broker_id = ""  # the broker's id and peer address as last seen: a restart may change them
+        self.peer_address = ""
         self.restarts_seen = 0
         self._lock = asyncio.Lock()
         self._rejoin: asyncio.Task | None = None  # registers the engines again once a broken session's broker answers
@@ -76,7 +78,13 @@ class Registrations:
             if seen.epoch != self.epoch:
                 self.restarts_seen += 1  # counted once: a failed registration is retried under the same epoch
             self.epoch = seen.epoch  # only now: a call that sees the new epoch first waits for the lock
+            self.saw(seen)
             return True
+
+    def saw(self, info: bpb.GetBrokerInfoResponse) -> None:
+        """The broker's identity from one of its answers: a broker restarted under another id or on
+        another peer address is what the other side's broker must be told from now on."""
+        self.broker_id, self.peer_address = info.broker_id, info.peer_address
 
     async def _register_again(self, at: float, present: set[str]) -> None:
         failures: list[BrokerError] = []

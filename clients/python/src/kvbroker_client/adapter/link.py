@@ -2,7 +2,8 @@
 
     link = EngineLink(settings, engine_id, holder="sglang prefill pid 12")
     link.open(topology, components)     engine thread, bounded: connect, register, read the broker's info
-    link.broker_address, link.broker_id the broker's peer address and id, for the other side
+    link.broker_address, link.broker_id the broker's peer address and id, for the other side (as the client
+                                        last saw them: a broker restarted under another id is told)
     link.spawn(coro, name=...)          work on the link's loop (a LoopThread), never the engine's thread
     link.close()                        end every task, close the session: the broker releases the engine
 
@@ -32,8 +33,16 @@ class EngineLink:
         self.holder = holder
         self.loop: LoopThread | None = None
         self.client: BrokerClient | None = None
-        self.broker_address = ""  # the broker's peer address: where the other side's broker reaches it
-        self.broker_id = ""
+
+    @property
+    def broker_address(self) -> str:
+        """The broker's peer address: where the other side's broker reaches it."""
+        return "" if self.client is None else self.client.peer_address
+
+    @property
+    def broker_id(self) -> str:
+        """The broker's id: the other side's parts name it as the receiver whose offer they write into."""
+        return "" if self.client is None else self.client.broker_id
 
     @property
     def is_open(self) -> bool:
@@ -47,18 +56,18 @@ class EngineLink:
         self.loop = LoopThread(f"kvbroker {self.engine_id}")
         timeout = self.settings.connect_timeout_s
 
-        async def connect() -> tuple[BrokerClient, tuple[str, str]]:
+        async def connect() -> BrokerClient:
             client = await BrokerClient.connect(self.settings.address, timeout=timeout, holder=self.holder)
             try:
                 await client.register_engine(self.engine_id, topology, components)
-                info = await client.info()
-                return client, (info.peer_address, info.broker_id)
+                await client.info()  # the broker's id and peer address, which the client keeps up to date
+                return client
             except BaseException:
                 await client.close()
                 raise
 
         try:
-            self.client, (self.broker_address, self.broker_id) = self.loop.run(connect(), timeout=timeout + 5)
+            self.client = self.loop.run(connect(), timeout=timeout + 5)
         except BaseException:
             self.close()
             raise
