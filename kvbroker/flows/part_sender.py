@@ -153,6 +153,10 @@ class PartSender:
             if held is not None:
                 if held.offer is not None and held.state.terminal:
                     raise _Refused(ended_error(held, "request"))
+                if held.offer is not None:  # live, into another receiver's offer than the one this part names
+                    raise _Refused(precondition(
+                        f"receiver_broker_id: request {cmd.request_id!r} is being written into the offer of "
+                        f"receiver {held.offer.receiver_id!r}, not {cmd.receiver_id!r}"))
                 if not held.state.terminal:
                     raise BrokerError(Code.ALREADY_EXISTS, f"request_id: request {cmd.request_id!r} is already in "
                                                            f"flight on engine {cmd.engine_id!r} (the claimed flow)")

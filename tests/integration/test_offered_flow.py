@@ -168,6 +168,11 @@ async def test_refused_parts_write_nothing_and_leave_the_grant_to_complete(broke
     assert big_aux.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_aux_bytes" in big_aux.details()
     early_aux = await refusal(part(src, request_id, {MAIN: src_all[4:5]}, offsets={MAIN: 4}, last=False, aux=b"a"))
     assert early_aux.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a part for another receiver's offer (a decode told a stale id of its broker, say) names the one being written
+    stray = await refusal(part(src, request_id, {MAIN: src_all[4:5]}, offsets={MAIN: 4}, last=False,
+                               receiver="decode-gone"))
+    assert stray.code() == grpc.StatusCode.FAILED_PRECONDITION, stray.details()
+    assert "receiver_broker_id" in stray.details() and f"'{brokers.decode.process.broker_id}'" in stray.details()
     assert (await watch_first(dst, request_id)).state == pb.TRANSFER_STATE_TRANSFERRING
     assert_bytes(dst, expect_pages(src, dst, before, [(MAIN, src_all[:4], dst_all[:4])]))
     done = await part(src, request_id, {MAIN: src_all[4:], DENSE: src_all}, offsets={MAIN: 4})
