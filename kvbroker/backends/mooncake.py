@@ -1,18 +1,25 @@
-"""Mooncake Transfer Engine backend: one engine per broker, P2P handshake, batched synchronous writes.
+"""Mooncake Transfer Engine backend: one engine per broker, P2P handshake, writes polled with sleeps.
 
 The engine is initialised in P2P-handshake mode (no metadata server) on the host peers reach this
 broker by; its session id, "host:rpc_port", is the handshake metadata and the peer handle. Control
 calls (initialise, register, teardown) run on one dedicated thread; writes run on a small pool,
-because the engine's batch calls block until the batch completes. A request is cut into batches of
-at most BATCH_DESCRIPTORS rows and at most PEER_WINDOW batches are in flight towards one peer, so
-the TCP transport's per-peer queue (1024 transfers unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER
-says otherwise) never overflows, however fragmented the request and however many run at once.
+because submitting one may block (the engine opens the peer's segment, a handshake, on the first
+write to it). A request is cut into batches of at most BATCH_DESCRIPTORS rows and at most
+PEER_WINDOW batches are in flight towards one peer, so the TCP transport's per-peer queue (1024
+transfers unless MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER says otherwise) never overflows, however
+fragmented the request and however many run at once.
 
-The engine abandons a synchronous batch after MC_TRANSFER_TIMEOUT seconds plus 1 ns per byte of
-the batch, reading the variable once, when the engine object is constructed (whole seconds, at
-least 5). `start` sets it for that moment to the broker's transfer_timeout_s, unless the operator
-set it, so that the engine never gives up on a batch the broker still waits for, and a batch the
-broker gave up on ends soon after; deregistration and close wait for batches that long.
+A writer thread submits each descriptor of its batch (transfer_submit_write) and polls their ends
+oldest first (transfer_check_status), sleeping between polls (POLL_FIRST_S, doubling up to
+POLL_MAX_S). The engine's batch_transfer_sync_write polls its batch's status in a loop that never
+sleeps: a core spun for the whole write, which doubled the CPU of a one-page write here.
+
+The engine gives up a synchronous batch after MC_TRANSFER_TIMEOUT seconds plus 1 ns per byte of the
+batch, reading the variable once, when the engine object is constructed (whole seconds, at least 5);
+a writer thread gives up polling its batch after the same limit. `start` sets it for that moment to
+the broker's transfer_timeout_s, unless the operator set it, so that neither gives up on a batch the
+broker still waits for, and a batch the broker gave up on ends soon after; deregistration and close
+wait for batches that long.
 
 With data_port_range, `mooncake.engine` is first imported with MC_MIN_RPC_PORT/MC_MAX_RPC_PORT set
 to it (ports.py): the engine reads its port range then, once per process. Its handshake and data
@@ -33,6 +40,8 @@ import os
 import re
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -52,6 +61,9 @@ WRITER_THREADS = 4
 TRANSFER_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"
 ENGINE_MIN_TIMEOUT_S = 5  # the engine raises smaller values to this
 QUIESCE_SLACK_S = 5.0  # beyond the engine's own limit: the writer thread's return to us
+POLL_FIRST_S = 50e-6  # a writer thread's first sleep between polls of a batch's ends; doubled each time
+POLL_MAX_S = 1e-3  # ... up to this
+NOT_SUBMITTED = frozenset({0, -1, 2**64 - 1})  # transfer_submit_write's "no batch" (0 when the peer is unreachable)
 _engine_construction = threading.Lock()  # the environment is the process's: one engine constructed at a time
 
 
@@ -247,12 +259,14 @@ class MooncakeBackend(Backend):
         """Hand one batch to a writer thread; its window slot is freed when the engine is done with it."""
         stop = min(start + BATCH_DESCRIPTORS, descriptors.count)
         try:
+            size = int(descriptors.src[start:stop, 1].sum())
             future = self._writers.submit(_write_batch, self._engine, peer, descriptors.src[start:stop],
-                                          descriptors.dst[start:stop], start, descriptors.count)
+                                          descriptors.dst[start:stop], start, descriptors.count,
+                                          self._engine_timeout + size * 1e-9)
         except BaseException:
             window.release()
             raise
-        self._inflight[future] = int(descriptors.src[start:stop, 1].sum())
+        self._inflight[future] = size
         batch = self._peers.begin(peer)  # the peer stays until the engine is done with the batch
 
         def finished(f: concurrent.futures.Future) -> None:
@@ -294,14 +308,63 @@ class MooncakeBackend(Backend):
         self._control.shutdown(wait=True)
 
 
-def _write_batch(engine, peer: str, src: np.ndarray, dst: np.ndarray, start: int, total: int) -> None:
-    where = f"descriptors {start}..{start + len(src) - 1} of {total}"
-    try:
-        rc = engine.batch_transfer_sync_write(peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist())
-    except Exception as exc:  # the binding raises rather than returns for some failures
-        raise _failed(f"Mooncake batch_transfer_sync_write to {peer} ({where})", exc) from exc
-    if rc != 0:
-        raise TransferFailed(f"Mooncake batch_transfer_sync_write to {peer} returned {rc} ({where})")
+def _write_batch(engine, peer: str, src: np.ndarray, dst: np.ndarray, start: int, total: int,
+                 limit_s: float) -> None:
+    """On a writer thread: submit each descriptor, then wait for every submitted one to end (at most
+    `limit_s`, the engine's own limit) before reporting a failure, so that none lands after it."""
+    submitted: list[int] = []
+    refused: TransferFailed | None = None
+    rows = zip(src[:, 0].tolist(), src[:, 1].tolist(), dst[:, 0].tolist(), strict=True)  # address, length, target
+    for row, (address, length, target) in enumerate(rows):
+        call = f"Mooncake transfer_submit_write to {peer} (descriptor {start + row} of {total})"
+        try:
+            batch = engine.transfer_submit_write(peer, address, target, length)
+        except Exception as exc:  # the binding raises rather than returns for some failures
+            refused = _failed(call, exc)
+            break
+        if batch in NOT_SUBMITTED:
+            refused = TransferFailed(f"{call} returned {batch}: not submitted")
+            break
+        submitted.append(batch)
+    ended = _await_ends(engine, peer, submitted, limit_s, f"descriptors {start}..{start + len(src) - 1} of {total}")
+    failure = refused or ended
+    if failure is not None:
+        raise failure
+
+
+def _await_ends(engine, peer: str, batches: list[int], limit_s: float, where: str) -> TransferFailed | None:
+    """Poll the batches' ends oldest first (they mostly end in order), sleeping while the oldest runs;
+    None when all completed, else what failed. Batches still running after `limit_s` are abandoned,
+    as the engine's synchronous calls abandon theirs."""
+    pending = deque(batches)
+    deadline = time.monotonic() + limit_s
+    pause = POLL_FIRST_S
+    failed: dict[int, int] = {}  # by the engine's code: -1 failed, -2 timed out in the engine
+    while pending:
+        try:
+            rc = engine.transfer_check_status(pending[0])
+        except Exception as exc:  # noqa: BLE001 - counted as that batch's failure; the others are still waited for
+            log.warning("Mooncake transfer_check_status of a write to %s raised %s: %s", peer, type(exc).__name__, exc)
+            rc = -1
+        if rc == 0:  # still running
+            if time.monotonic() > deadline:
+                return TransferFailed(f"Mooncake write to {peer} ({where}): {len(pending)} of {len(batches)} "
+                                      f"descriptors still running after the engine's limit ({limit_s:.1f}s), "
+                                      f"abandoned{f'; ended badly: {_codes(failed)}' if failed else ''}")
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+            continue
+        pending.popleft()
+        if rc != 1:
+            failed[rc] = failed.get(rc, 0) + 1
+    if failed:
+        return TransferFailed(f"Mooncake transfer_check_status of a write to {peer} ({where}) {_codes(failed)} "
+                              f"(of {len(batches)} descriptors)")
+    return None
+
+
+def _codes(failed: dict[int, int]) -> str:
+    return ", ".join(f"returned {code} for {count}" for code, count in sorted(failed.items()))
 
 
 def _failed(call: str, exc: Exception) -> TransferFailed:
