@@ -259,14 +259,12 @@ class MooncakeBackend(Backend):
         """Hand one batch to a writer thread; its window slot is freed when the engine is done with it."""
         stop = min(start + BATCH_DESCRIPTORS, descriptors.count)
         try:
-            size = int(descriptors.src[start:stop, 1].sum())
             future = self._writers.submit(_write_batch, self._engine, peer, descriptors.src[start:stop],
-                                          descriptors.dst[start:stop], start, descriptors.count,
-                                          self._engine_timeout + size * 1e-9)
+                                          descriptors.dst[start:stop], start, descriptors.count, self._engine_timeout)
         except BaseException:
             window.release()
             raise
-        self._inflight[future] = size
+        self._inflight[future] = int(descriptors.src[start:stop, 1].sum())
         batch = self._peers.begin(peer)  # the peer stays until the engine is done with the batch
 
         def finished(f: concurrent.futures.Future) -> None:
@@ -309,9 +307,11 @@ class MooncakeBackend(Backend):
 
 
 def _write_batch(engine, peer: str, src: np.ndarray, dst: np.ndarray, start: int, total: int,
-                 limit_s: float) -> None:
+                 engine_timeout_s: float) -> None:
     """On a writer thread: submit each descriptor, then wait for every submitted one to end (at most
-    `limit_s`, the engine's own limit) before reporting a failure, so that none lands after it."""
+    the engine's own limit for the batch: `engine_timeout_s` plus 1 ns per byte) before reporting a
+    failure, so that none lands after it."""
+    limit_s = engine_timeout_s + int(src[:, 1].sum()) * 1e-9
     submitted: list[int] = []
     refused: TransferFailed | None = None
     rows = zip(src[:, 0].tolist(), src[:, 1].tolist(), dst[:, 0].tolist(), strict=True)  # address, length, target
