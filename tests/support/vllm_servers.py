@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvbroker_tools.launch import BrokerProcess, start_broker
+from kvbroker_tools.launch import BrokerProcess, start_broker, start_brokers, stop_all
 from kvbroker_tools.serving import client, stack, vllm_stack
 from tests.support.helpers import serving, until_awaited
 from tests.support.reference import ANSWER_TOKENS
@@ -40,6 +40,39 @@ class Reference:
             got = await vllm_stack.complete(self._http, self.deployment.url, prompt, tokens)
             self._answers[key] = got.output_ids
         return self._answers[key]
+
+
+class Starting:
+    """The session's vLLM servers starting in the background: the non-PD reference and the PD pair with
+    kvbroker's connector (brokers on NIXL, up before either task begins), together. On 2 cores three
+    starts at once end minutes sooner than one after the other, and the fleet starts SGLang's servers
+    on these brokers meanwhile."""
+
+    def __init__(self, model: Path, log_root: Path, brokers: dict[str, BrokerProcess]) -> None:
+        self.brokers = brokers
+        connector = vllm_stack.kvbroker_connector(brokers["prefill"], brokers["decode"], name="kvbroker-pd",
+                                                  **CONNECTOR)
+        self.reference = asyncio.ensure_future(vllm_stack.start_reference(model, log_root / "reference"))
+        # start_pd owns the brokers from here: a failed start stops them, the pair's stop too
+        self.pair = asyncio.ensure_future(vllm_stack.start_pd(model, log_root / "pd", connector, brokers=brokers))
+
+    @classmethod
+    async def begin(cls, model: Path, log_root: Path) -> Starting:
+        prefill, decode = await start_brokers(*(start_broker(f"vllm-{side}", "--backend", "nixl",
+                                                             log_file=log_root / "pd" / f"broker-{side}.log")
+                                                for side in ("prefill", "decode")))
+        return cls(model, log_root, {"prefill": prefill, "decode": decode})
+
+    async def stop(self) -> None:
+        """Stop what started; a start still running is cancelled (its own clean-up stops its part)."""
+        for task in (self.reference, self.pair):
+            task.cancel()
+        await asyncio.gather(self.reference, self.pair, return_exceptions=True)
+        started = [t.result() for t in (self.pair, self.reference) if not t.cancelled() and t.exception() is None]
+        for deployment in started:
+            await deployment.stop()
+        if self.pair.cancelled():  # perhaps before its first step, which would have taken the brokers
+            await stop_all(self.brokers.values())
 
 
 async def brokers_hold(deployment: vllm_stack.Deployment) -> dict[str, dict[str, int]]:

@@ -1,8 +1,9 @@
 """Fixtures of the vLLM tests: vLLM 0.32's own servers (.venv-vllm, built by scripts/setup.sh --test),
 started as users start them (tooling/src/kvbroker_tools/serving/vllm_stack.py): a non-PD reference server for the
 session, and a prefill and a decode server with kvbroker's connector, a broker beside each, behind
-vllm-router, started once and shared by the modules, which move its brokers between the transfer
-engines. What the tests share besides lives in tests/support/vllm_servers.py.
+vllm-router, started together in the background at first use (the fleet starts SGLang's servers
+meanwhile) and shared by the modules, which move its brokers between the transfer engines. What the
+tests share besides lives in tests/support/vllm_servers.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from kvbroker_tools.serving import vllm_stack
-from tests.support.vllm_servers import CONNECTOR, Reference, switch_backend
+from tests.support.vllm_servers import Reference, Starting, switch_backend
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -34,19 +35,24 @@ def vllm_log_root(log_root) -> Path:
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_reference(model, vllm_log_root, http) -> AsyncIterator[Reference]:
-    deployment = await vllm_stack.start_reference(model, vllm_log_root / "reference")
-    yield Reference(deployment, http)
-    await deployment.stop()
+async def vllm_starting(model, vllm_log_root) -> AsyncIterator[Starting]:
+    """The session's vLLM servers, starting in the background from first use (`Starting`)."""
+    (vllm_log_root / "pd").mkdir(parents=True, exist_ok=True)
+    starting = await Starting.begin(model, vllm_log_root)
+    yield starting
+    await starting.stop()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def vllm_pair(model, vllm_log_root) -> AsyncIterator[vllm_stack.Deployment]:
+async def vllm_reference(vllm_starting, http) -> Reference:
+    return Reference(await vllm_starting.reference, http)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def vllm_pair(vllm_starting) -> vllm_stack.Deployment:
     """The session's PD pair with kvbroker's connector, its brokers on NIXL until a module moves them
-    (`vllm_pd`, the fleet's own SGLang servers beside it)."""
-    deployment = await vllm_stack.start_kvbroker_pd(model, vllm_log_root / "pd", "nixl", **CONNECTOR)
-    yield deployment
-    await deployment.stop()
+    (`vllm_pd`; the fleet's own SGLang servers join them)."""
+    return await vllm_starting.pair
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

@@ -25,17 +25,21 @@ SGLANG_ENV = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60", "SGLANG_DISAGGREG
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def fleet(model, vllm_log_root, vllm_pair):
+async def fleet(model, vllm_log_root, vllm_starting):
     """The session's vLLM PD pair with its brokers on NIXL, and an SGLang PD stack started on the same two
-    brokers; once it has stopped, the brokers hold vLLM's engines alone again."""
-    await switch_backend(vllm_pair, "nixl")
+    brokers while the vLLM servers start; once it has stopped, the brokers hold vLLM's engines alone again."""
+    brokers = dict(vllm_starting.brokers)
+    if vllm_starting.pair.done():  # a module before may have moved them
+        await switch_backend(vllm_starting.pair.result(), "nixl")
+        brokers = dict(vllm_starting.pair.result().brokers)
     sglang = await stack.start_pd(model, vllm_log_root / "fleet-sglang", transfer="kvbroker", engine="nixl",
-                                  env=SGLANG_ENV, brokers=vllm_pair.brokers)
+                                  env=SGLANG_ENV, brokers=brokers)
     try:
-        yield sglang, vllm_pair
+        vllm = await vllm_starting.pair
+        yield sglang, vllm
     finally:
         await sglang.stop()  # the brokers stay: they are the vLLM pair's
-        held = await serving(vllm_pair.brokers.values(), "nixl", engines=1)
+        held = await serving(brokers.values(), "nixl", engines=1)
         assert all(got == ("nixl", 1) for got in held.values()), f"SGLang's engines outlived its servers: {held}"
 
 
