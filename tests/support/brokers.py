@@ -22,8 +22,9 @@ from kvbroker_client.v1 import broker_service_pb2 as bpb
 from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import common_pb2 as pb
 from kvbroker_tools import shapes
-from kvbroker_tools.launch import BrokerProcess, exit_report, start_broker, stop_all
+from kvbroker_tools.launch import BrokerProcess, start_broker, stop_all
 from tests.support import REPO_ROOT
+from tests.support.helpers import json_of_child
 
 BACKENDS = ["nixl", "mooncake"]
 
@@ -141,21 +142,9 @@ async def run_engines_in_child(module: str, function: str, backend: str, timeout
     NIXL's UCX teardown crashes at interpreter exit, so engines created directly by a test live in a
     child that leaves with os._exit, as `kvbroker serve` does, and reports what it saw as one JSON line.
     """
-    import asyncio
-    import json
     import sys
 
     code = (f"import asyncio, json, os, sys; from {module} import {function}; "
             f"print(json.dumps(asyncio.run({function}(sys.argv[1]))), flush=True); os._exit(0)")
-    child = await asyncio.create_subprocess_exec(sys.executable, "-X", "faulthandler", "-c", code, backend,
-                                                 cwd=REPO_ROOT,
-                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), timeout)
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, exit_report(f"{module}.{function}({backend!r}) in a child", child.returncode,
-                                              err.decode(errors="replace").splitlines())
-    return json.loads(out.decode().strip().splitlines()[-1])
+    return await json_of_child(f"{module}.{function}({backend!r}) in a child", sys.executable, "-X", "faulthandler",
+                               "-c", code, backend, timeout=timeout, cwd=REPO_ROOT)

@@ -3,7 +3,8 @@
 - refusals: `refusal` (the domain's BrokerError of a sync call), `rpc_refusal` (a gRPC call's AioRpcError);
 - `peer_service`: a PeerService of the test's own, served on loopback;
 - a process seen from outside: `listeners` (its listening ports), `scrape` (a broker's /metrics
-  summed per name), `kvbroker` (the CLI run in a child process);
+  summed per name), `kvbroker` (the CLI run in a child process), `json_of_child` (a child's last
+  line of JSON, bounded, its exit code told);
 - waits for states no event announces, bounded: `until` polls a plain condition (10 s unless told),
   `until_awaited` an async one, a call each time (60 s unless told; what a broker or server holds);
 - `descriptor_rows`: descriptor rows (address, length, device) for a Backend's write, without the planner.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import sys
 import urllib.request
@@ -27,9 +29,9 @@ import numpy as np
 import pytest
 
 from kvbroker.core.errors import BrokerError
-from kvbroker_client.v1 import broker_service_pb2 as bpb
-from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 from kvbroker_client.v1 import peer_service_pb2_grpc as ppb_grpc
+from kvbroker_tools.launch import exit_report
+from kvbroker_tools.serving import stack
 
 
 def refusal(fn, *args, **kwargs) -> BrokerError:
@@ -141,15 +143,27 @@ async def serving(brokers, backend: str, engines: int = 1, timeout: float = 120.
     engine `backend` and holds `engines` registered engines (a server's client registers again by
     itself once its broker is back); what each held last, by broker id: (backend, engines)."""
     async def held() -> dict[str, tuple[str, int]]:
-        out = {}
-        for broker in brokers:
-            async with grpc.aio.insecure_channel(broker.listen) as channel:
-                info = await bpb_grpc.BrokerServiceStub(channel).GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=5)
-            out[broker.broker_id] = (info.backend, len(info.engines))
-        return out
+        infos = {broker.broker_id: await stack.broker_info(broker) for broker in brokers}
+        return {name: (info.backend, len(info.engines)) for name, info in infos.items()}
 
     async def ready():
         now = await held()
         return now if all(got == (backend, engines) for got in now.values()) else None
 
     return await until_awaited(ready, timeout=timeout) or await held()
+
+
+async def json_of_child(what: str, *argv: str, timeout: float, env: dict[str, str] | None = None,
+                        cwd: Path | None = None) -> dict:
+    """Run `argv` as a child process; the JSON of its last line of stdout. A child past `timeout` is
+    killed with the case; one that fails says `what` it was, its exit code and its stderr's tail."""
+    child = await asyncio.create_subprocess_exec(*argv, cwd=cwd, env=env, stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(child.communicate(), timeout)
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert child.returncode == 0, exit_report(what, child.returncode, err.decode(errors="replace").splitlines())
+    return json.loads(out.decode().strip().splitlines()[-1])

@@ -11,14 +11,13 @@ Every case leaves both servers serving and both brokers holding no request (`set
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import aiohttp
 
 from kvbroker_tools.launch import BrokerProcess, start_broker, start_brokers, stop_all
 from kvbroker_tools.serving import client, stack, vllm_stack
-from tests.support.helpers import serving, until_awaited
+from tests.support.helpers import json_of_child, serving, until_awaited
 from tests.support.reference import ANSWER_TOKENS
 
 BLOCK = 32  # vllm_stack's --block-size
@@ -130,14 +129,5 @@ async def switch_backend(deployment: vllm_stack.Deployment, backend: str) -> Non
 async def run_in_vllm(script: Path, *args: str, timeout: float, env: dict[str, str] | None = None) -> dict:
     """Run `script` with vLLM's Python (`env` over vLLM's server environment); the JSON of its last line.
     A child past `timeout` is killed with the case; one that fails says its exit code and stderr."""
-    child = await asyncio.create_subprocess_exec(
-        str(vllm_stack.python()), str(script), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**vllm_stack.server_env(), **(env or {})})
-    try:
-        out, err = await asyncio.wait_for(child.communicate(), timeout)
-    finally:
-        if child.returncode is None:
-            child.kill()
-            await child.wait()
-    assert child.returncode == 0, f"{script.name} exited {child.returncode}: {err.decode()[-3000:]}"
-    return json.loads(out.decode().strip().splitlines()[-1])
+    return await json_of_child(script.name, str(vllm_stack.python()), str(script), *args, timeout=timeout,
+                               env={**vllm_stack.server_env(), **(env or {})})

@@ -448,18 +448,23 @@ async def start_reference(model: Path, log_dir: Path, *, args: Sequence[str] = (
     return await start_server("reference", model, log_dir, args=args, env=env, timeout=timeout)
 
 
-async def broker_holds(broker: BrokerProcess, timeout: float = 5.0) -> dict[str, int]:
-    """What a broker holds now, from its GetBrokerInfo: live requests (accepted, not yet ended: its
-    grants on decode, the offers' and Transfers' records on prefill) and its engines. GetBrokerInfo
-    counts requests per state since start; every request counts once as PENDING and once in the
-    state it ended in, so live = PENDING - SUCCEEDED - FAILED."""
+async def broker_info(broker: BrokerProcess, timeout: float = 5.0):
+    """The broker's GetBrokerInfoResponse (its backend, engines, request counts), on a channel of its own."""
     import grpc
 
     from kvbroker_client.v1 import broker_service_pb2 as bpb
     from kvbroker_client.v1 import broker_service_pb2_grpc as bpb_grpc
 
     async with grpc.aio.insecure_channel(broker.listen) as channel:
-        info = await bpb_grpc.BrokerServiceStub(channel).GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=timeout)
+        return await bpb_grpc.BrokerServiceStub(channel).GetBrokerInfo(bpb.GetBrokerInfoRequest(), timeout=timeout)
+
+
+async def broker_holds(broker: BrokerProcess, timeout: float = 5.0) -> dict[str, int]:
+    """What a broker holds now, from its GetBrokerInfo: live requests (accepted, not yet ended: its
+    grants on decode, the offers' and Transfers' records on prefill) and its engines. GetBrokerInfo
+    counts requests per state since start; every request counts once as PENDING and once in the
+    state it ended in, so live = PENDING - SUCCEEDED - FAILED."""
+    info = await broker_info(broker, timeout)
     counts = dict(info.request_counts)
     return {"live_requests": counts.get("PENDING", 0) - counts.get("SUCCEEDED", 0) - counts.get("FAILED", 0),
             "engines": len(info.engines), "succeeded": counts.get("SUCCEEDED", 0), "failed": counts.get("FAILED", 0),
